@@ -1,0 +1,90 @@
+"""The bootstrap sidecar: engine id -> workers' side-channel addresses (seeds steps 2, 4, 7, 20).
+
+Wire-compatible with vLLM's MooncakeConnector bootstrap, so vLLM's example proxy and ours
+both read it; adds TTL expiry, DELETE for clean shutdown, an optional shared token and
+strict body validation (a bad request never changes the registry).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from aiohttp import web
+
+from appliance.bootstrap.registry import Registry, RegistryConflict
+from appliance.bootstrap.settings import BootstrapSettings
+from appliance.bootstrap.wire import decode_registration
+from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
+
+log = logging.getLogger("appliance.bootstrap")
+
+REGISTRY = web.AppKey("registry", Registry)
+SETTINGS = web.AppKey("settings", BootstrapSettings)
+
+
+def _authorized(request: web.Request) -> bool:
+    token = request.app[SETTINGS].token
+    if token is None:
+        return True
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+
+
+async def register(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return json_error(401, "missing or wrong bootstrap token")
+    body = await request.read()
+    try:
+        reg = decode_registration(body)
+        is_new = request.app[REGISTRY].register(reg)
+    except ValueError as exc:
+        return json_error(400, str(exc))
+    except RegistryConflict as exc:
+        log.warning("register rejected: %s", exc)
+        return json_error(400, str(exc), "conflict_error")
+    if is_new:
+        log.info(
+            "registered engine %s dp %d tp %d pp %d at %s",
+            reg.engine_id, reg.dp_rank, reg.tp_rank, reg.pp_rank, reg.addr,
+        )
+    return web.json_response({"status": "ok"})
+
+
+async def query(request: web.Request) -> web.Response:
+    answer = request.app[REGISTRY].query()
+    return web.json_response(
+        {dp: {"engine_id": e.engine_id, "worker_addr": e.worker_addr} for dp, e in answer.items()}
+    )
+
+
+async def delete_engine(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return json_error(401, "missing or wrong bootstrap token")
+    engine_id = request.match_info["engine_id"]
+    removed = request.app[REGISTRY].delete(engine_id)
+    if not removed:
+        return json_error(404, f"engine {engine_id!r} is not registered")
+    log.info("deleted engine %s (%d dp ranks)", engine_id, removed)
+    return web.json_response({"status": "ok", "removed": removed})
+
+
+async def health(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    registry.expire()
+    return web.json_response({"status": "ok", "engines": len(registry)})
+
+
+def build_app(settings: BootstrapSettings) -> web.Application:
+    app = web.Application(
+        middlewares=[json_errors_middleware], client_max_size=settings.max_body_bytes
+    )
+    app[MAX_BODY_BYTES] = settings.max_body_bytes
+    app[SETTINGS] = settings
+    app[REGISTRY] = Registry(ttl=settings.ttl)
+    app.router.add_post("/register", register)
+    app.router.add_get("/query", query)
+    app.router.add_delete("/engines/{engine_id}", delete_engine)
+    app.router.add_get("/health", health)
+    return app

