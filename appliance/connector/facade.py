@@ -1,0 +1,140 @@
+"""The facade vLLM loads: PDConnector, through `kv_connector_module_path`.
+
+    --kv-transfer-config '{"kv_connector": "PDConnector",
+                           "kv_connector_module_path": "appliance.connector",
+                           "kv_role": "kv_producer" | "kv_consumer", "engine_id": "...",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"bootstrap_addr": "http://host:8998",
+                                                        "protocol": "tcp" | "rdma", ...}}'
+
+One facade hands each call to the scheduler side (`scheduler.PDScheduler`, EngineCore
+process) or the worker side (`worker.PDWorker`, each worker process) by role. The request
+protocol is vLLM's MooncakeConnector protocol (`kv_transfer_params`), so vLLM's example
+proxy and ours both drive it. Settings: `settings.ConnectorSettings`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from appliance.connector.metadata import PDConnectorMetadata
+from appliance.connector.settings import ConnectorSettings
+from appliance.connector.stats import PDConnectorStats
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+class PDConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.from_kv_transfer_config(vllm_config.kv_transfer_config)
+        if len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("PDConnector supports models with one KV cache group "
+                             f"(this one has {len(kv_cache_config.kv_cache_groups)})")
+        self.scheduler = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from appliance.connector.scheduler import PDScheduler
+
+            self.scheduler = PDScheduler(self.settings, vllm_config.cache_config.block_size)
+        else:
+            from appliance.connector.worker import PDWorker
+
+            self.worker = PDWorker(self.settings, vllm_config, kv_cache_config)
+
+    # --- scheduler side -----------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._kv_cache_config.transfer_group_ids
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output.finished_recving)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+            self, request: Request,
+            block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    # --- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PDConnectorMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """KV arrives whole before the request is scheduled; nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """The producer pushes whole requests after the forward (see wait_for_save)."""
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        sending, recving, failed = self.worker.get_transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.worker.get_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return PDConnectorStats(data=data or {})
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

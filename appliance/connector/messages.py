@@ -1,0 +1,201 @@
+"""Side-channel messages between D and P workers: msgpack over ZMQ DEALER (D) -> ROUTER (P).
+
+Seeds step 21: D tells P where to write (its Mooncake session, its block ids and, on first
+contact, its KV layout). Seeds step 30: P answers per request. The layout is sent once per P and
+then named by ``layout_id``; a P that lost it (restart) answers LAYOUT_MISS and D resends it.
+D may also send a ``CancelRequest`` (its deadline passed, the request was aborted, or P's
+blocks can be released); P's ROUTER decodes both with ``decode_side_channel``. Every decode
+validates values, so a bad message becomes one ``MessageError`` and is never half-applied.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Any
+
+import msgspec
+
+from appliance.connector.plan import LayoutError, Region
+
+_MAX_ID = 4096  # request, transfer and engine ids are uuids plus prefixes in practice
+_MAX_ITEMS = 1 << 20
+
+U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=_MAX_ID)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class MessageError(ValueError):
+    """Undecodable, mistyped or invalid side-channel message."""
+
+
+class Status(str, enum.Enum):
+    FINISH = "finish"  # every request in ``ok``/``failed`` was handled; KV for ``ok`` written
+    ERROR = "error"  # the whole message was rejected; nothing was written
+    LAYOUT_MISS = "layout_miss"  # P has no layout for ``layout_id``: resend with ``layout``
+
+
+class RegionMsg(msgspec.Struct, array_like=True, frozen=True):
+    """One of D's regions, as a compact array (see ``plan.Region``)."""
+
+    base_addr: U63
+    block_stride: U63
+    block_bytes: U63
+    num_blocks: U63
+
+
+class ReqEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One D request: write P's KV for ``transfer_id`` into D's ``block_ids``."""
+
+    d_req_id: Id
+    transfer_id: Id
+    block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=_MAX_ITEMS)]
+
+
+class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=True):
+    """D -> P (seeds step 21). ``layout`` rides along on first contact only."""
+
+    engine_id: Id
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    rpc_port: Port
+    layout_id: U63
+    reqs: Annotated[list[ReqEntry], msgspec.Meta(max_length=_MAX_ITEMS)] = []
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 1
+    layout: Annotated[list[RegionMsg], msgspec.Meta(max_length=_MAX_ITEMS)] | None = None
+
+    @property
+    def session_id(self) -> str:
+        """D's Mooncake session name, ``host:rpc_port`` (bracketed for IPv6)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.rpc_port}"
+
+    def validate(self) -> None:
+        """Cross-field rules msgspec cannot express; raises ``MessageError``."""
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise MessageError(f"tp_rank {self.tp_rank} not below tp_size {self.tp_size}")
+        if self.layout is not None:
+            if not self.layout:
+                raise MessageError("layout, when sent, must name at least one region")
+            regions = layout_from_wire(self.layout)
+            limit = min(r.num_blocks for r in regions)
+        else:
+            limit = None
+        d_ids: set[str] = set()
+        transfer_ids: set[str] = set()
+        for entry in self.reqs:
+            if not entry.d_req_id or not entry.transfer_id:
+                raise MessageError("d_req_id and transfer_id must be non-empty")
+            if entry.d_req_id in d_ids:
+                raise MessageError(f"d_req_id {entry.d_req_id!r} appears twice")
+            if entry.transfer_id in transfer_ids:
+                raise MessageError(f"transfer_id {entry.transfer_id!r} appears twice")
+            d_ids.add(entry.d_req_id)
+            transfer_ids.add(entry.transfer_id)
+            if any(b < 0 for b in entry.block_ids):
+                raise MessageError(f"negative block id for {entry.d_req_id!r}")
+            if limit is not None and any(b >= limit for b in entry.block_ids):
+                raise MessageError(f"block id of {entry.d_req_id!r} beyond D's {limit} blocks")
+
+
+class CancelEntry(msgspec.Struct, array_like=True, frozen=True):
+    d_req_id: Id
+    transfer_id: Id
+
+
+class CancelRequest(msgspec.Struct, tag="xcancel", omit_defaults=True, frozen=True):
+    """D -> P: D gave up on these transfers (deadline, abort) or releases P's blocks."""
+
+    engine_id: Id
+    reqs: Annotated[list[CancelEntry], msgspec.Meta(max_length=_MAX_ITEMS)] = []
+
+    def validate(self) -> None:
+        transfer_ids = [e.transfer_id for e in self.reqs]
+        if len(set(transfer_ids)) != len(transfer_ids):
+            raise MessageError("a transfer_id appears twice in the cancel request")
+        if any(not e.d_req_id or not e.transfer_id for e in self.reqs):
+            raise MessageError("d_req_id and transfer_id must be non-empty")
+
+
+class TransferResponse(msgspec.Struct, tag="xresp", omit_defaults=True, frozen=True):
+    """P -> D (seeds step 30): the outcome for some or all requests of a TransferRequest."""
+
+    status: Status
+    ok: list[Id] = []
+    failed: dict[Id, Annotated[str, msgspec.Meta(max_length=_MAX_ID)]] = {}
+    message: Annotated[str, msgspec.Meta(max_length=_MAX_ID)] = ""
+    layout_id: U63 = 0
+
+    def validate(self) -> None:
+        both = set(self.ok) & set(self.failed)
+        if both:
+            raise MessageError(f"requests both ok and failed: {sorted(both)}")
+        if len(set(self.ok)) != len(self.ok):
+            raise MessageError("a d_req_id appears twice in ok")
+        if self.status is not Status.FINISH and self.ok:
+            raise MessageError(f"status {self.status.value} cannot report requests as ok")
+
+
+def layout_to_wire(regions: Iterable[Region]) -> list[RegionMsg]:
+    return [RegionMsg(r.base_addr, r.block_stride, r.block_bytes, r.num_blocks) for r in regions]
+
+
+def layout_from_wire(layout: Sequence[RegionMsg]) -> list[Region]:
+    """Regions from the wire; impossible geometry (overlapping blocks, empty) is rejected."""
+    try:
+        return [Region(m.base_addr, m.block_stride, m.block_bytes, m.num_blocks) for m in layout]
+    except LayoutError as exc:
+        raise MessageError(f"bad layout: {exc}") from None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(TransferRequest)
+_response_decoder = msgspec.msgpack.Decoder(TransferResponse)
+_cancel_decoder = msgspec.msgpack.Decoder(CancelRequest)
+# What P's ROUTER receives: the tag tells a transfer request from a cancellation.
+_side_channel_decoder = msgspec.msgpack.Decoder(TransferRequest | CancelRequest)
+
+
+def _encode(msg: TransferRequest | TransferResponse | CancelRequest) -> bytes:
+    msg.validate()
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str) -> Any:
+    try:
+        msg = decoder.decode(data)
+    except (msgspec.DecodeError, TypeError) as exc:  # ValidationError is a DecodeError
+        raise MessageError(f"invalid {what}: {exc}") from None
+    msg.validate()
+    return msg
+
+
+def encode_request(msg: TransferRequest) -> bytes:
+    return _encode(msg)
+
+
+def encode_response(msg: TransferResponse) -> bytes:
+    return _encode(msg)
+
+
+def encode_cancel(msg: CancelRequest) -> bytes:
+    return _encode(msg)
+
+
+def decode_request(data: bytes) -> TransferRequest:
+    return _decode(_request_decoder, data, "transfer request")
+
+
+def decode_response(data: bytes) -> TransferResponse:
+    return _decode(_response_decoder, data, "transfer response")
+
+
+def decode_cancel(data: bytes) -> CancelRequest:
+    return _decode(_cancel_decoder, data, "cancel request")
+
+
+def decode_side_channel(data: bytes) -> TransferRequest | CancelRequest:
+    """Decode what D sends P: either message, told apart by its tag (required here)."""
+    return _decode(_side_channel_decoder, data, "side-channel message")

@@ -1,0 +1,372 @@
+"""Pure transfer planning: KV regions, block pairing, descriptors, batches (seeds steps 3, 28).
+
+Nothing here touches torch, Mooncake or sockets: inputs are plain ints and tuples, so every rule
+is tested on synthetic shapes. A *region* is one run of equally spaced blocks in memory: block
+``i`` of a region lives at ``base_addr + i * block_stride`` and is ``block_bytes`` long. One KV
+cache tensor yields one region per combination of its "outer" dimensions (seeds step 3; the
+flash-attention layout ``[2, num_blocks, ...]`` gives a K and a V region per layer, the CPU layout
+``[num_blocks, kv_heads, block_size, 2*head_dim]`` one region per layer).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+# Mooncake's per-peer TCP lane rejects bigger batches at once and leaves D partly written
+# (verified-facts.md), so no batch may exceed this many descriptors.
+MAX_BATCH_DESCS = 1024
+_ADDR_LIMIT = 1 << 63  # addresses are computed in int64
+
+S = TypeVar("S", bound=Sequence[int])
+
+
+class PlanError(ValueError):
+    """A transfer cannot be planned; nothing may be written."""
+
+
+class LayoutError(PlanError):
+    """A KV tensor's shape/strides cannot be described as regions."""
+
+
+class LayoutMismatchError(PlanError):
+    """P's and D's regions do not correspond one to one with equal block sizes."""
+
+
+class BlockRangeError(PlanError):
+    """A block id lies outside its side's cache."""
+
+
+class BlockCountError(PlanError):
+    """D asks for more blocks than P holds for the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Block ``i`` is ``block_bytes`` long at ``base_addr + i * block_stride``."""
+
+    base_addr: int
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.base_addr < _ADDR_LIMIT:
+            raise LayoutError(f"base_addr {self.base_addr:#x} out of range")
+        if self.block_bytes <= 0 or self.num_blocks <= 0:
+            raise LayoutError(f"empty region: {self}")
+        if self.num_blocks > 1 and self.block_stride < self.block_bytes:
+            raise LayoutError(f"blocks overlap: stride {self.block_stride} < {self.block_bytes}")
+        if self.base_addr + self.span[1] > _ADDR_LIMIT:
+            raise LayoutError(f"region ends beyond the address range: {self}")
+
+    @property
+    def contiguous(self) -> bool:
+        """Consecutive blocks touch, so a run of them is one memory chunk."""
+        return self.block_stride == self.block_bytes or self.num_blocks == 1
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """(address, length) covering every block of the region."""
+        return self.base_addr, (self.num_blocks - 1) * self.block_stride + self.block_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """What planning needs from a tensor; ``strides`` are in elements, as torch reports them."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    elem_size: int
+
+    @classmethod
+    def from_tensor(cls, tensor: Any) -> TensorInfo:
+        """Read a torch tensor (duck-typed, so this module never imports torch)."""
+        return cls(
+            int(tensor.data_ptr()),
+            tuple(int(n) for n in tensor.shape),
+            tuple(int(s) for s in tensor.stride()),
+            int(tensor.element_size()),
+        )
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """(address, length) of the bytes the tensor can touch (positive strides)."""
+        if any(n == 0 for n in self.shape):
+            return self.data_ptr, 0
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
+        return self.data_ptr, last * self.elem_size + self.elem_size
+
+    def regions(self, num_blocks: int, block_dim: int | None = None) -> list[Region]:
+        return regions_from_layout(
+            self.data_ptr, self.shape, self.strides, self.elem_size, num_blocks, block_dim
+        )
+
+
+def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
+    """The one dimension whose size is ``num_blocks``; ambiguity is an error, not a guess."""
+    candidates = [d for d, n in enumerate(shape) if n == num_blocks]
+    if not candidates:
+        raise LayoutError(f"no dimension of shape {tuple(shape)} has size num_blocks={num_blocks}")
+    if len(candidates) > 1:
+        raise LayoutError(
+            f"dimensions {candidates} of shape {tuple(shape)} all have size num_blocks="
+            f"{num_blocks}: pass block_dim explicitly (see block_dim_by_probe)"
+        )
+    return candidates[0]
+
+
+def block_dim_by_probe(shape_for: Callable[[int], Sequence[int]]) -> int:
+    """The block dimension of a layout, found by asking it for two different block counts.
+
+    ``shape_for(n)`` gives the KV tensor shape for ``n`` blocks, e.g. ``lambda n: backend.
+    get_kv_cache_shape(n, block_size, num_kv_heads, head_size)``: exact, where matching
+    sizes against ``num_blocks`` can be ambiguous.
+    """
+    a, b = tuple(shape_for(7919)), tuple(shape_for(7927))  # primes no other dim will equal
+    changed = [d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    if len(changed) != 1:
+        raise LayoutError(f"cannot tell the block dimension from shapes {a} and {b}")
+    return changed[0]
+
+
+def regions_from_layout(
+    data_ptr: int,
+    shape: Sequence[int],
+    strides: Sequence[int],
+    elem_size: int,
+    num_blocks: int,
+    block_dim: int | None = None,
+) -> list[Region]:
+    """Regions of one KV tensor, from its shape and strides (never from an assumed layout).
+
+    Dimensions with a larger stride than the block dimension are *outer*: each combination of
+    their indices is a separate region, in logical index order (so P and D pair regions the same
+    way even when their physical orders differ). Dimensions with a smaller stride are *inner*:
+    together they must be dense and form one block's chunk, in any physical order (HND or NHD).
+    """
+    ndim = len(shape)
+    if len(strides) != ndim:
+        raise LayoutError(f"shape {tuple(shape)} and strides {tuple(strides)} differ in length")
+    if elem_size <= 0 or num_blocks <= 0:
+        raise LayoutError(f"elem_size and num_blocks must be positive ({elem_size}, {num_blocks})")
+    if block_dim is None:
+        block_dim = find_block_dim(shape, num_blocks)
+    if not -ndim <= block_dim < ndim:
+        raise LayoutError(f"block_dim {block_dim} out of range for {ndim} dimensions")
+    block_dim %= ndim
+    if shape[block_dim] != num_blocks:
+        raise LayoutError(f"dimension {block_dim} has size {shape[block_dim]}, not {num_blocks}")
+    block_stride = strides[block_dim] * elem_size
+    if num_blocks > 1 and block_stride <= 0:
+        raise LayoutError(f"block dimension has non-positive stride {strides[block_dim]}")
+
+    outer: list[int] = []
+    inner: list[int] = []
+    for d, (n, s) in enumerate(zip(shape, strides, strict=True)):
+        if d == block_dim or n == 1:  # size-1 dimensions carry arbitrary strides
+            continue
+        if n <= 0:
+            raise LayoutError(f"dimension {d} is empty in shape {tuple(shape)}")
+        stride = s * elem_size
+        if stride <= 0:
+            raise LayoutError(f"dimension {d} has stride {s}: broadcast or reversed views alias")
+        # A size-1 block dimension shares its stride with the next outer dimension.
+        if stride > block_stride or (stride == block_stride and num_blocks == 1):
+            outer.append(d)
+        elif stride < block_stride:
+            inner.append(d)
+        else:
+            raise LayoutError(f"dimension {d} has the same stride as the block dimension")
+
+    block_bytes = elem_size
+    for d in sorted(inner, key=lambda d: strides[d]):
+        if strides[d] * elem_size != block_bytes:
+            raise LayoutError(
+                f"inner dimensions of shape {tuple(shape)} strides {tuple(strides)} are not "
+                f"dense: dimension {d} has stride {strides[d]}, expected {block_bytes // elem_size}"
+            )
+        block_bytes *= shape[d]
+    if num_blocks == 1:
+        block_stride = block_bytes  # one block: the stride is never used
+    elif block_stride < block_bytes:
+        raise LayoutError(f"blocks overlap: stride {block_stride} B < block of {block_bytes} B")
+
+    regions = []
+    for index in itertools.product(*(range(shape[d]) for d in outer)):
+        offset = sum(i * strides[d] * elem_size for i, d in zip(index, outer, strict=True))
+        regions.append(Region(data_ptr + offset, block_stride, block_bytes, num_blocks))
+    return regions
+
+
+def registration_spans(
+    items: Iterable[Region | TensorInfo | tuple[int, int]], merge_adjacent: bool = True
+) -> list[tuple[int, int]]:
+    """Unique (address, length) spans to register with Mooncake, sorted and merged.
+
+    Layers that are views into one buffer overlap or touch; registering them once avoids
+    duplicate or overlapping registrations (seeds step 3).
+    """
+    spans = sorted(
+        span
+        for span in (item if isinstance(item, tuple) else item.span for item in items)
+        if span[1] > 0
+    )
+    merged: list[list[int]] = []
+    for addr, length in spans:
+        if merged and (
+            addr < merged[-1][0] + merged[-1][1]
+            or (merge_adjacent and addr == merged[-1][0] + merged[-1][1])
+        ):
+            merged[-1][1] = max(merged[-1][1], addr + length - merged[-1][0])
+        else:
+            merged.append([addr, length])
+    return [(a, n) for a, n in merged]
+
+
+def pair_blocks(src_ids: S, dst_ids: S) -> tuple[S, S]:
+    """Match P's blocks to D's: D with a local prefix hit asks only for P's LAST blocks."""
+    if len(dst_ids) > len(src_ids):
+        raise BlockCountError(f"D asks for {len(dst_ids)} blocks but P holds {len(src_ids)}")
+    skip = len(src_ids) - len(dst_ids)
+    return src_ids[skip:], dst_ids  # type: ignore[return-value]
+
+
+def _ids_array(ids: Sequence[int] | np.ndarray, side: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise BlockRangeError(f"{side} block ids must be a flat list of integers")
+    return arr.astype(np.int64, copy=False)
+
+
+def _run_starts(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Indices where a new run begins (both sides must step by exactly one to continue)."""
+    if src.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    return np.concatenate(([0], np.flatnonzero(breaks) + 1))
+
+
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) for each stretch where both sides are consecutive."""
+    src, dst = _ids_array(src_ids, "P"), _ids_array(dst_ids, "D")
+    if src.size != dst.size:
+        raise BlockCountError(f"{src.size} source blocks for {dst.size} destination blocks")
+    starts = _run_starts(src, dst)
+    counts = np.diff(np.append(starts, src.size))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), counts.tolist(), strict=True))
+
+
+@dataclass(slots=True)
+class Descriptors:
+    """Parallel lists for ``batch_transfer_sync_write(session, srcs, dsts, lengths)``."""
+
+    srcs: list[int] = field(default_factory=list)
+    dsts: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.lengths)
+
+
+def _check_ids(ids: np.ndarray, regions: Sequence[Region], side: str) -> None:
+    if ids.size == 0:
+        return
+    limit = min(r.num_blocks for r in regions)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= limit:
+        bad = lo if lo < 0 else hi
+        raise BlockRangeError(f"{side} block id {bad} outside its cache of {limit} blocks")
+
+
+def build_descriptors(
+    src_regions: Sequence[Region],
+    dst_regions: Sequence[Region],
+    src_ids: Sequence[int],
+    dst_ids: Sequence[int],
+) -> Descriptors:
+    """Descriptors moving blocks ``src_ids`` of P's regions into blocks ``dst_ids`` of D's.
+
+    Seeds step 28: per region pair, runs consecutive on both sides become one descriptor when
+    both sides' blocks touch; otherwise one descriptor per block. Every id is checked against its
+    side's cache first, so bad metadata raises before anything is written. P's surplus leading
+    blocks (D's prefix hit) are skipped, see ``pair_blocks``.
+    """
+    if len(src_regions) != len(dst_regions):
+        raise LayoutMismatchError(f"P has {len(src_regions)} regions, D has {len(dst_regions)}")
+    for k, (s, d) in enumerate(zip(src_regions, dst_regions, strict=True)):
+        if s.block_bytes != d.block_bytes:
+            raise LayoutMismatchError(
+                f"region {k}: P blocks are {s.block_bytes} B, D blocks are {d.block_bytes} B"
+            )
+    src, dst = _ids_array(src_ids, "P"), _ids_array(dst_ids, "D")
+    if src_regions:
+        _check_ids(src, src_regions, "P")
+        _check_ids(dst, dst_regions, "D")
+    src, dst = pair_blocks(src, dst)
+    if dst.size == 0 or not src_regions:
+        return Descriptors()
+
+    starts = _run_starts(src, dst)
+    run_len = np.diff(np.append(starts, src.size))
+    coalesce = [
+        s.contiguous and d.contiguous for s, d in zip(src_regions, dst_regions, strict=True)
+    ]
+    if all(coalesce) or not any(coalesce):
+        # One broadcast over (region, block or run): the common case, and the fast one.
+        if all(coalesce):
+            src, dst, lens = src[starts], dst[starts], run_len
+        else:
+            lens = np.ones(src.size, dtype=np.int64)
+        srcs = _addresses(src_regions, src)
+        dsts = _addresses(dst_regions, dst)
+        sizes = _column([r.block_bytes for r in src_regions]) * lens
+        return Descriptors(srcs.ravel().tolist(), dsts.ravel().tolist(), sizes.ravel().tolist())
+    out = Descriptors()  # mixed layouts: region by region
+    for s, d, c in zip(src_regions, dst_regions, coalesce, strict=True):
+        part = build_descriptors([s], [d], src, dst) if c else _per_block(s, d, src, dst)
+        out.srcs += part.srcs
+        out.dsts += part.dsts
+        out.lengths += part.lengths
+    return out
+
+
+def _column(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)[:, None]
+
+
+def _addresses(regions: Sequence[Region], ids: np.ndarray) -> np.ndarray:
+    """(regions x ids) matrix of block addresses."""
+    bases = _column([r.base_addr for r in regions])
+    return bases + _column([r.block_stride for r in regions]) * ids[None, :]
+
+
+def _per_block(s: Region, d: Region, src: np.ndarray, dst: np.ndarray) -> Descriptors:
+    return Descriptors(
+        (s.base_addr + src * s.block_stride).tolist(),
+        (d.base_addr + dst * d.block_stride).tolist(),
+        [s.block_bytes] * src.size,
+    )
+
+
+def split_batches(descs: Descriptors, max_descs: int = MAX_BATCH_DESCS) -> list[Descriptors]:
+    """Cut descriptors into batches of at most ``max_descs`` (the per-peer queue limit)."""
+    if max_descs < 1:
+        raise ValueError(f"max_descs must be at least 1, got {max_descs}")
+    return [
+        Descriptors(
+            descs.srcs[i : i + max_descs],
+            descs.dsts[i : i + max_descs],
+            descs.lengths[i : i + max_descs],
+        )
+        for i in range(0, len(descs), max_descs)
+    ]

@@ -1,0 +1,289 @@
+"""Consumer (D) worker side: ask a producer to push a request's KV into our blocks.
+
+Seeds steps 19-21 (resolve the producer's workers through its bootstrap sidecar, send our
+Mooncake session, layout and block ids over a ZMQ DEALER) and 34-35 (a FINISH reply marks
+the request received). Beyond the reference: a receive deadline, explicit ERROR handling,
+cancellation that keeps blocks held until the producer confirms, and releases that let the
+producer free KV nobody will fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from appliance.bootstrap.client import BootstrapClient, BootstrapError
+from appliance.connector import messages as m
+from appliance.connector.metadata import RecvSpec, ReleaseSpec
+from appliance.connector.plan import Region
+from appliance.connector.settings import ConnectorSettings
+from appliance.connector.state import Transfer, TransferState
+from appliance.connector.stats import TransferStats
+from appliance.connector.transfer import MooncakeTransport
+
+log = logging.getLogger("vllm.appliance.connector.receiver")
+
+
+@dataclass
+class Incoming(Transfer):
+    side: str = "recv"
+    d_req_id: str = ""
+    spec: RecvSpec | None = None
+    deadline: float = 0.0
+    peer: str | None = None  # the producer worker's side-channel address
+    cancelled: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _Peer:
+    """One DEALER socket per producer worker, with a loop dispatching its replies."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, receiver: Receiver) -> None:
+        self.addr = addr
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.layout_sent = False
+        self.task = asyncio.create_task(self._replies(receiver))
+
+    async def _replies(self, receiver: Receiver) -> None:
+        while True:
+            payload = await self.sock.recv()
+            try:
+                resp = m.decode_response(payload)
+            except m.MessageError as exc:
+                log.warning("undecodable reply from %s: %s", self.addr, exc)
+                continue
+            receiver.on_response(self, resp)
+
+    async def send(self, payload: bytes) -> None:
+        await self.sock.send(payload)
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.sock.close(0)
+
+
+class Receiver:
+    def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
+                 regions: list[Region], host: str, tp_rank: int, tp_size: int,
+                 stats: TransferStats) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.host = host
+        self.regions = regions
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.stats = stats
+        self.layout_id = secrets.randbits(63)
+        self.incoming: dict[str, Incoming] = {}
+        self._ctx = zmq.asyncio.Context()
+        self._peers: dict[str, _Peer] = {}
+        self._clients: dict[str, BootstrapClient] = {}
+        # (bootstrap, engine) -> tp_rank -> side-channel address; one lookup at a time.
+        self._engines: dict[tuple[str, str], dict[int, str]] = {}
+        self._lookups: dict[tuple[str, str], asyncio.Future] = {}
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self._lock = threading.Lock()
+        self._tasks = [asyncio.create_task(self._deadline_loop())]
+
+    # --- calls from vLLM's worker thread (via the loop) ------------------------------------
+
+    def on_recv(self, req_id: str, spec: RecvSpec) -> None:
+        inc = Incoming(transfer_id=spec.transfer_id, d_req_id=req_id, spec=spec,
+                       state=TransferState.BOOTSTRAPPING,
+                       deadline=time.monotonic() + self.settings.recv_timeout_s)
+        self.incoming[req_id] = inc
+        asyncio.create_task(self._pull(inc))
+
+    def on_cancel(self, req_id: str, transfer_id: str) -> None:
+        """The request was aborted while waiting; its blocks stay held until P confirms."""
+        inc = self.incoming.get(req_id)
+        if inc is None:
+            self._report(req_id, ok=True)  # already over: let the scheduler free the blocks
+            return
+        inc.cancelled = True
+        if inc.state is TransferState.BOOTSTRAPPING:
+            # Our block ids never left this process: nothing can write into them.
+            self._finish(inc, ok=False, error="cancelled before the request was sent")
+            return
+        asyncio.create_task(self._cancel(inc))
+
+    def on_release(self, spec: ReleaseSpec) -> None:
+        asyncio.create_task(self._release(spec))
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids since the last call; failed is a subset."""
+        with self._lock:
+            done, failed = self._finished, self._failed
+            self._finished, self._failed = set(), set()
+        return done, failed
+
+    # --- seeds steps 20-21 ----------------------------------------------------------------
+
+    async def _pull(self, inc: Incoming) -> None:
+        spec = inc.spec
+        assert spec is not None
+        try:
+            addr = await self._resolve(spec.remote_bootstrap_addr, spec.remote_engine_id)
+        except BootstrapError as exc:
+            self._finish(inc, ok=False, error=str(exc))
+            return
+        if inc.state.terminal or inc.cancelled:
+            self._finish(inc, ok=False, error="cancelled")
+            return
+        inc.peer = addr
+        inc.advance(TransferState.WAITING_FOR_INPUT, d_req=inc.d_req_id, peer=addr)
+        await self._send_request(inc, with_layout=False)
+
+    async def _send_request(self, inc: Incoming, with_layout: bool) -> None:
+        assert inc.spec is not None and inc.peer is not None
+        peer = self._peer(inc.peer)
+        include = with_layout or not peer.layout_sent
+        msg = m.TransferRequest(
+            engine_id=self.settings.engine_id, host=self.host,
+            rpc_port=self.transport.rpc_port, layout_id=self.layout_id,
+            reqs=[m.ReqEntry(inc.d_req_id, inc.transfer_id, list(inc.spec.block_ids))],
+            tp_rank=self.tp_rank, tp_size=self.tp_size,
+            layout=m.layout_to_wire(self.regions) if include else None)
+        peer.layout_sent = True
+        await peer.send(m.encode_request(msg))
+
+    async def _resolve(self, bootstrap: str, engine_id: str) -> str:
+        key = (bootstrap, engine_id)
+        if key not in self._engines:
+            pending = self._lookups.get(key)
+            if pending is None:
+                pending = self._lookups[key] = asyncio.ensure_future(self._query(bootstrap))
+                pending.add_done_callback(lambda _f: self._lookups.pop(key, None))
+            await asyncio.shield(pending)
+        workers = self._engines.get(key)
+        if not workers:
+            raise BootstrapError(f"engine {engine_id!r} is not registered at {bootstrap}")
+        if self.tp_rank not in workers:
+            raise BootstrapError(f"engine {engine_id!r} has no worker for tp rank "
+                                 f"{self.tp_rank} (it has {sorted(workers)})")
+        return workers[self.tp_rank]
+
+    async def _query(self, bootstrap: str) -> None:
+        client = self._clients.get(bootstrap)
+        if client is None:
+            client = self._clients[bootstrap] = BootstrapClient(
+                bootstrap, timeout=min(10.0, self.settings.recv_timeout_s))
+        answer = await client.query()
+        for view in answer.values():
+            self._engines[(bootstrap, view.engine_id)] = {
+                int(tp): pps["0"] for tp, pps in view.worker_addr.items() if "0" in pps}
+
+    def _peer(self, addr: str) -> _Peer:
+        peer = self._peers.get(addr)
+        if peer is None:
+            peer = self._peers[addr] = _Peer(self._ctx, addr, self)
+        return peer
+
+    # --- replies (seeds step 34) ----------------------------------------------------------
+
+    def on_response(self, peer: _Peer, resp: m.TransferResponse) -> None:
+        if resp.status is m.Status.LAYOUT_MISS:
+            peer.layout_sent = False  # the producer restarted or evicted our layout
+            for d_req in resp.failed:
+                inc = self.incoming.get(d_req)
+                if inc is not None and not inc.state.terminal:
+                    asyncio.create_task(self._send_request(inc, with_layout=True))
+            return
+        for d_req in resp.ok:
+            inc = self.incoming.get(d_req)
+            if inc is not None:
+                self._finish(inc, ok=True)
+        for d_req, why in resp.failed.items():
+            inc = self.incoming.get(d_req)
+            if inc is not None:
+                self._finish(inc, ok=False, error=f"producer: {why}")
+        if resp.status is m.Status.ERROR and not resp.failed:
+            log.warning("producer %s rejected a request: %s", peer.addr, resp.message)
+
+    # --- cancellation, release, deadlines -------------------------------------------------
+
+    async def _cancel(self, inc: Incoming) -> None:
+        assert inc.peer is not None
+        msg = m.CancelRequest(engine_id=self.settings.engine_id,
+                              reqs=[m.CancelEntry(inc.d_req_id, inc.transfer_id)])
+        await self._peer(inc.peer).send(m.encode_cancel(msg))
+        try:
+            await asyncio.wait_for(inc.done.wait(), self.settings.cancel_grace_s)
+        except asyncio.TimeoutError:
+            self._finish(inc, ok=False, error="producer did not confirm the cancellation")
+
+    async def _release(self, spec: ReleaseSpec) -> None:
+        try:
+            addr = await self._resolve(spec.remote_bootstrap_addr, spec.remote_engine_id)
+        except BootstrapError as exc:
+            log.info("release of %s not delivered: %s", spec.transfer_id, exc)
+            return
+        msg = m.CancelRequest(engine_id=self.settings.engine_id,
+                              reqs=[m.CancelEntry(f"release-{spec.transfer_id}",
+                                                  spec.transfer_id)])
+        await self._peer(addr).send(m.encode_cancel(msg))
+
+    async def _deadline_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for inc in list(self.incoming.values()):
+                if not inc.state.terminal and now > inc.deadline:
+                    why = (f"no KV from the producer within recv_timeout_s="
+                           f"{self.settings.recv_timeout_s:g}s ({inc.state.value})")
+                    if inc.peer is not None and not inc.cancelled:
+                        inc.cancelled = True
+                        asyncio.create_task(self._peer(inc.peer).send(m.encode_cancel(
+                            m.CancelRequest(engine_id=self.settings.engine_id, reqs=[
+                                m.CancelEntry(inc.d_req_id, inc.transfer_id)]))))
+                    self._finish(inc, ok=False, error=why)
+                    if inc.peer is not None:
+                        # The producer's address may be stale (restart): look it up again.
+                        self._forget_peer(inc.peer)
+
+    def _forget_peer(self, addr: str) -> None:
+        for key, workers in list(self._engines.items()):
+            if addr in workers.values():
+                del self._engines[key]
+
+    def _finish(self, inc: Incoming, ok: bool, error: str | None = None) -> None:
+        if self.incoming.pop(inc.d_req_id, None) is None:
+            return
+        if ok and not inc.state.terminal:
+            inc.advance(TransferState.SUCCESS, d_req=inc.d_req_id)
+        else:
+            ok = False
+            inc.fail(error or "failed", d_req=inc.d_req_id)
+        inc.done.set()
+        self.stats.record_recv(ok)
+        if ok:
+            log.info("received d_req=%s transfer=%s blocks=%d in %.1f ms", inc.d_req_id,
+                     inc.transfer_id, len(inc.spec.block_ids) if inc.spec else 0,
+                     (time.monotonic() - inc.created) * 1e3)
+        self._report(inc.d_req_id, ok)
+
+    def _report(self, req_id: str, ok: bool) -> None:
+        with self._lock:
+            self._finished.add(req_id)
+            if not ok:
+                self._failed.add(req_id)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for peer in self._peers.values():
+            peer.close()
+        for client in self._clients.values():
+            await client.close()
+
+    def in_flight(self) -> int:
+        return len(self.incoming)

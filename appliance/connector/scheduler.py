@@ -1,0 +1,179 @@
+"""Scheduler side of the connector (runs in vLLM's EngineCore process).
+
+Producer (P): computes the prompt locally, tells its worker which blocks hold the prompt's
+KV as soon as the step that completes the prefill is scheduled, and holds those blocks
+after the request finishes until the worker reports the transfer over (seeds 12, 23, 33).
+Unlike the reference, KV is sent whatever the finish reason (EOS or a stop string as the
+single token included), and a request that ends before its KV exists is reported to the
+worker at once so the decode node does not wait for a timeout.
+
+Consumer (D): reports the whole prompt as an asynchronous external load, which parks the
+request in WAITING_FOR_REMOTE_KVS (17); vLLM recomputes only the last prompt token once
+the load is reported (37). A request aborted while waiting keeps its blocks until the
+worker knows the producer will not write into them any more.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
+from appliance.connector.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.appliance.connector.scheduler")
+
+REQUIRED_PULL_PARAMS = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")
+
+
+@dataclass
+class _Send:
+    request: Request
+    transfer_id: str
+    ready: bool = False  # the worker was told the KV is (about to be) computed
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PDScheduler:
+    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.kv_cache_manager: KVCacheManager | None = None
+        # Producer state.
+        self._sends: dict[str, _Send] = {}
+        # Consumer state: requests whose pull is in flight (blocks held for it).
+        self._recving: dict[str, str] = {}
+        self._meta = PDConnectorMetadata()
+
+    # --- hooks shared by both roles -----------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if self.settings.is_producer:
+            log.warning("req %s: do_remote_prefill sent to a producer; computing locally",
+                        request.request_id)
+            return 0, False
+        problem = self._pull_params_problem(params)
+        if problem:
+            # Serve the request by a local prefill rather than wait on a transfer that
+            # cannot happen.
+            log.warning("req %s: %s; computing the prompt locally", request.request_id, problem)
+            params["do_remote_prefill"] = False
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        # Seeds step 17: the whole (uncached) prompt arrives asynchronously.
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if params.get("do_remote_prefill") and not self.settings.is_producer:
+            params["do_remote_prefill"] = False  # one pull per request
+            if num_external_tokens > 0:
+                groups = blocks.get_unhashed_block_ids_all_groups()
+                block_ids = list(groups[0]) if groups else []
+                self._meta.recvs[request.request_id] = RecvSpec(
+                    transfer_id=params["transfer_id"], block_ids=block_ids,
+                    remote_engine_id=params["remote_engine_id"],
+                    remote_bootstrap_addr=params["remote_bootstrap_addr"])
+                self._recving[request.request_id] = params["transfer_id"]
+            else:
+                # Full local prefix hit: nothing to pull, but P holds blocks for us.
+                self._release(params)
+        elif params.get("do_remote_decode") and self.settings.is_producer:
+            transfer_id = params.get("transfer_id")
+            if not transfer_id:
+                log.warning("req %s: do_remote_decode without transfer_id; KV will not be "
+                            "sent", request.request_id)
+                return
+            if request.request_id not in self._sends:  # seeds step 12
+                self._sends[request.request_id] = _Send(request, transfer_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
+        if self.settings.is_producer:
+            self._mark_ready_sends(scheduler_output)
+        meta, self._meta = self._meta, PDConnectorMetadata()
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        req_id = request.request_id
+        if self.settings.is_producer:
+            send = self._sends.pop(req_id, None)
+            if send is None:
+                return False, None
+            if send.ready:
+                # Seeds step 23, whatever the finish reason: the KV exists, so it is sent
+                # (or expires); the worker reports finished_sending to free the blocks.
+                self._meta.finished_sends.add(req_id)
+                return True, None
+            # Ended before its KV was computed (aborted, rejected): tell D now.
+            self._meta.aborted_sends.add(send.transfer_id)
+            return False, None
+        # Consumer.
+        if params.get("do_remote_prefill"):
+            # Finished before it was ever scheduled: P still holds blocks for it.
+            params["do_remote_prefill"] = False
+            if not self._pull_params_problem(params):
+                self._release(params)
+            return False, None
+        if req_id in self._recving:
+            # Aborted while P may be writing into its blocks: hold them until the worker
+            # reports the pull over.
+            self._meta.recvs.pop(req_id, None)
+            self._meta.cancelled_recvs[req_id] = self._recving[req_id]
+            return True, None
+        return False, None
+
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        for req_id in finished_recving or ():
+            self._recving.pop(req_id, None)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _mark_ready_sends(self, scheduler_output: SchedulerOutput) -> None:
+        """Tell the worker which sends have their whole prompt computed by this step."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, send in self._sends.items():
+            if send.ready or req_id not in scheduled:
+                continue
+            req = send.request
+            # build_connector_meta runs before num_computed_tokens is advanced.
+            if req.num_computed_tokens + scheduled[req_id] < req.num_prompt_tokens:
+                continue  # chunked prefill: more chunks to come
+            assert self.kv_cache_manager is not None, "kv cache manager was not bound"
+            groups = self.kv_cache_manager.get_block_ids(req_id)
+            blocks = list(groups[0])[:_cdiv(req.num_prompt_tokens, self.block_size)]
+            self._meta.ready_sends[req_id] = (send.transfer_id, blocks)
+            send.ready = True
+
+    def _pull_params_problem(self, params: dict[str, Any]) -> str | None:
+        missing = [p for p in REQUIRED_PULL_PARAMS if not params.get(p)]
+        if missing:
+            return f"kv_transfer_params lacks {', '.join(missing)}"
+        allowed = self.settings.allowed_bootstrap_addrs
+        if allowed is not None and params["remote_bootstrap_addr"] not in allowed:
+            return f"bootstrap address {params['remote_bootstrap_addr']!r} is not allowed"
+        return None
+
+    def _release(self, params: dict[str, Any]) -> None:
+        self._meta.releases.append(ReleaseSpec(
+            transfer_id=params["transfer_id"], remote_engine_id=params["remote_engine_id"],
+            remote_bootstrap_addr=params["remote_bootstrap_addr"]))

@@ -1,0 +1,366 @@
+"""Producer (P) worker side: serve decode nodes' transfer requests by pushing KV into them.
+
+Seeds steps 4 (ROUTER side channel registered with the bootstrap), 14/22/27 (a transfer
+waits until its prefill is computed and the decode node's metadata has arrived), 28-31
+(descriptors, batch write, FINISH reply, finished_sending).
+
+Everything here runs on the side-channel loop; vLLM's worker thread only enqueues calls
+(`on_ready`, `on_finished`, `on_aborted`) and reads `take_finished`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from appliance.bootstrap.client import BootstrapClient, BootstrapError
+from appliance.bootstrap.wire import Registration
+from appliance.connector import messages as m
+from appliance.connector.plan import PlanError, Region, build_descriptors, pair_blocks
+from appliance.connector.settings import ConnectorSettings
+from appliance.connector.state import Transfer, TransferState
+from appliance.connector.stats import TransferStats
+from appliance.connector.transfer import MooncakeTransport, TransferError
+
+log = logging.getLogger("vllm.appliance.connector.sender")
+
+# How many finished transfer ids are remembered to reject a transfer_id seen twice.
+_SEEN_IDS = 65536
+
+
+@dataclass
+class Outgoing(Transfer):
+    side: str = "send"
+    p_req_id: str | None = None
+    block_ids: list[int] | None = None
+    fence: Callable[[], None] | None = None  # waits until the KV is really computed (GPU)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    d_req_id: str | None = None  # set once a decode node asked for this transfer
+    deadline: float = 0.0
+    scheduler_finished: bool = False
+
+
+class Sender:
+    def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
+                 regions: list[Region], host: str, tp_rank: int, tp_size: int, dp_rank: int,
+                 stats: TransferStats) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.regions = regions
+        self.host = host
+        self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
+        self.stats = stats
+        self.by_transfer: dict[str, Outgoing] = {}
+        self.by_req: dict[str, Outgoing] = {}
+        self._seen: OrderedDict[str, str] = OrderedDict()  # finished transfer id -> outcome
+        self._layouts: OrderedDict[tuple[str, int], list[Region]] = OrderedDict()
+        self._finished: set[str] = set()
+        self._finished_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(settings.num_workers, thread_name_prefix="pd-push")
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._bootstrap = BootstrapClient(settings.bootstrap_addr, settings.bootstrap_token)
+        self.side_channel_addr = ""
+        self._tasks: list[asyncio.Task] = []
+
+    # --- start-up (seeds step 4) ----------------------------------------------------------
+
+    async def start(self) -> str:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port(f"tcp://{_zmq_host(self.host)}")
+        self._sock = sock
+        self.side_channel_addr = f"tcp://{_zmq_host(self.host)}:{port}"
+        self._tasks = [asyncio.create_task(self._listen()),
+                       asyncio.create_task(self._keep_registered()),
+                       asyncio.create_task(self._expire_loop())]
+        return self.side_channel_addr
+
+    def _registration(self) -> Registration:
+        return Registration(engine_id=self.settings.engine_id, addr=self.side_channel_addr,
+                            dp_rank=self.dp_rank, tp_rank=self.tp_rank, pp_rank=0)
+
+    async def _keep_registered(self) -> None:
+        """Register, then refresh within the sidecar's TTL; never blocks start-up."""
+        delay = 0.5
+        registered = False
+        while True:
+            try:
+                await self._bootstrap.register(self._registration())
+                if not registered:
+                    log.info("engine %s tp %d registered side channel %s at %s",
+                             self.settings.engine_id, self.tp_rank, self.side_channel_addr,
+                             self.settings.bootstrap_addr)
+                registered, delay = True, 0.5
+                await asyncio.sleep(self.settings.register_interval_s)
+            except BootstrapError as exc:
+                log.warning("bootstrap registration failed (retrying in %.1fs): %s", delay, exc)
+                registered = False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.register_interval_s)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.tp_rank == 0:
+            try:
+                await asyncio.wait_for(self._bootstrap.delete(self.settings.engine_id), 2)
+            except (BootstrapError, asyncio.TimeoutError):
+                pass
+        await self._bootstrap.close()
+        if self._sock is not None:
+            self._sock.close(0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- calls from vLLM's worker thread (via the loop) ------------------------------------
+
+    def on_ready(self, req_id: str, transfer_id: str, block_ids: list[int],
+                 fence: Callable[[], None] | None) -> None:
+        """The prompt's KV is computed (once `fence` returns): seeds step 27, one step early."""
+        t = self.by_transfer.get(transfer_id)
+        if t is not None and t.p_req_id is not None and t.p_req_id != req_id:
+            # Two prefill requests carry one transfer id: refuse the second.
+            dup = Outgoing(transfer_id=transfer_id, p_req_id=req_id)
+            dup.fail("transfer_id already used by another prefill request", p_req=req_id)
+            self.by_req[req_id] = dup
+            return
+        if t is None:
+            if transfer_id in self._seen:
+                dup = Outgoing(transfer_id=transfer_id, p_req_id=req_id)
+                dup.fail("transfer_id seen twice", p_req=req_id)
+                self.by_req[req_id] = dup
+                return
+            t = self.by_transfer[transfer_id] = Outgoing(transfer_id=transfer_id)
+        t.p_req_id, t.block_ids, t.fence = req_id, list(block_ids), fence
+        t.deadline = time.monotonic() + self.settings.send_timeout_s
+        self.by_req[req_id] = t
+        t.ready.set()
+
+    def on_finished(self, req_ids: set[str]) -> None:
+        """The scheduler holds these requests' blocks until we report them (seeds 23, 32)."""
+        for req_id in req_ids:
+            t = self.by_req.get(req_id)
+            if t is None:
+                log.error("p_req %s finished but has no transfer; freeing its blocks", req_id)
+                self._report(req_id)
+                continue
+            t.scheduler_finished = True
+            if t.state.terminal:
+                self._retire(t)
+
+    def on_aborted(self, transfer_ids: set[str]) -> None:
+        """The prefill request ended before its KV existed: fail its decode node now."""
+        for transfer_id in transfer_ids:
+            t = self.by_transfer.pop(transfer_id, None)
+            reason = "prefill request ended before its KV was computed"
+            self._remember(transfer_id, reason)
+            if t is not None and t.fail(reason, d_req=t.d_req_id):
+                t.ready.set()  # wakes _serve, which answers the decode node
+
+    def take_finished(self) -> set[str]:
+        with self._finished_lock:
+            done, self._finished = self._finished, set()
+        return done
+
+    # --- the side channel (seeds steps 21-22, 30) -----------------------------------------
+
+    async def _listen(self) -> None:
+        assert self._sock is not None
+        while True:
+            identity, payload = await self._recv()
+            if identity is None:
+                continue
+            try:
+                msg = m.decode_side_channel(payload)
+            except m.MessageError as exc:
+                self.stats.record_failure()
+                log.warning("rejected side-channel message: %s", exc)
+                await self._reply(identity, m.TransferResponse(status=m.Status.ERROR,
+                                                               message=str(exc)))
+                continue
+            if isinstance(msg, m.CancelRequest):
+                self._cancel(identity, msg)
+            else:
+                self._accept(identity, msg)
+
+    async def _recv(self) -> tuple[bytes | None, bytes]:
+        assert self._sock is not None
+        frames = await self._sock.recv_multipart()
+        if len(frames) != 2:
+            log.warning("dropped side-channel message with %d frames", len(frames))
+            return None, b""
+        return frames[0], frames[1]
+
+    async def _reply(self, identity: bytes, resp: m.TransferResponse) -> None:
+        assert self._sock is not None
+        await self._sock.send_multipart([identity, m.encode_response(resp)])
+
+    def _accept(self, identity: bytes, msg: m.TransferRequest) -> None:
+        key = (msg.engine_id, msg.layout_id)
+        if msg.layout is not None:
+            self._layouts[key] = m.layout_from_wire(msg.layout)
+            while len(self._layouts) > 256:
+                self._layouts.popitem(last=False)
+        dst_regions = self._layouts.get(key)
+        d_ids = {e.d_req_id: "layout unknown" for e in msg.reqs}
+        if dst_regions is None:
+            asyncio.create_task(self._reply(identity, m.TransferResponse(
+                status=m.Status.LAYOUT_MISS, failed=d_ids, layout_id=msg.layout_id)))
+            return
+        problem = None
+        if (msg.tp_size, msg.tp_rank) != (self.tp_size, self.tp_rank):
+            problem = (f"decode tp {msg.tp_rank}/{msg.tp_size} cannot pair with prefill tp "
+                       f"{self.tp_rank}/{self.tp_size}")
+        elif [r.block_bytes for r in dst_regions] != [r.block_bytes for r in self.regions]:
+            problem = (f"KV layouts differ: decode has {len(dst_regions)} regions, prefill "
+                       f"{len(self.regions)}, or their block sizes differ")
+        if problem:
+            self.stats.record_failure()
+            log.warning("rejected transfer request from %s: %s", msg.engine_id, problem)
+            asyncio.create_task(self._reply(identity, m.TransferResponse(
+                status=m.Status.ERROR, failed={k: problem for k in d_ids}, message=problem)))
+            return
+        for entry in msg.reqs:
+            asyncio.create_task(self._serve(identity, msg.session_id, dst_regions, entry))
+
+    async def _serve(self, identity: bytes, session: str, dst_regions: list[Region],
+                     entry: m.ReqEntry) -> None:
+        ok, why = await self._push(session, dst_regions, entry)
+        resp = (m.TransferResponse(status=m.Status.FINISH, ok=[entry.d_req_id]) if ok else
+                m.TransferResponse(status=m.Status.FINISH, failed={entry.d_req_id: why}))
+        await self._reply(identity, resp)
+
+    async def _push(self, session: str, dst_regions: list[Region],
+                    entry: m.ReqEntry) -> tuple[bool, str]:
+        tid, d_req = entry.transfer_id, entry.d_req_id
+        if tid in self._seen:
+            return False, f"transfer {tid} is over ({self._seen[tid]}); transfer_id seen twice?"
+        t = self.by_transfer.get(tid)
+        if t is None:  # D arrived before the prefill finished (seeds step 22)
+            t = self.by_transfer[tid] = Outgoing(transfer_id=tid)
+            t.deadline = time.monotonic() + self.settings.send_timeout_s
+        if t.d_req_id is not None:
+            return False, f"transfer_id {tid} already requested by {t.d_req_id}"
+        t.d_req_id = d_req
+        if not entry.block_ids:  # D does not need the KV (aborted, or a local cache hit)
+            if t.state is TransferState.WAITING_FOR_INPUT:
+                t.advance(TransferState.SUCCESS, p_req=t.p_req_id, d_req=d_req, released=True)
+            self._settle(t)
+            return True, ""
+        await t.ready.wait()
+        if t.state is TransferState.FAILED:
+            self._settle(t)
+            return False, t.error or "failed"
+        assert t.block_ids is not None
+        t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
+        try:
+            src, dst = pair_blocks(t.block_ids, list(entry.block_ids))
+            descs = build_descriptors(self.regions, dst_regions, src, dst)
+            fence = t.fence
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._pool, _write, self.transport, fence, session, descs,
+                self.settings.max_batch_descs)
+        except (PlanError, TransferError) as exc:
+            self.stats.record_failure()
+            t.fail(str(exc), p_req=t.p_req_id, d_req=d_req)
+            self._settle(t)
+            return False, str(exc)
+        self.stats.record_transfer(result.nbytes, result.descriptors, result.seconds)
+        t.advance(TransferState.SUCCESS)
+        log.info("sent p_req=%s d_req=%s transfer=%s blocks=%d bytes=%d descs=%d in %.1f ms "
+                 "(%.2f GB/s)", t.p_req_id, d_req, tid, len(src), result.nbytes,
+                 result.descriptors, result.seconds * 1e3, result.gbps)
+        self._settle(t)
+        return True, ""
+
+    def _cancel(self, identity: bytes, msg: m.CancelRequest) -> None:
+        """D gave up on these transfers; fail those not yet being written, answer for all."""
+        failed: dict[str, str] = {}
+        ok: list[str] = []
+        for entry in msg.reqs:
+            t = self.by_transfer.get(entry.transfer_id)
+            if t is None or t.state is TransferState.WAITING_FOR_INPUT:
+                if t is not None:
+                    t.d_req_id = t.d_req_id or entry.d_req_id
+                    t.fail("cancelled by the decode node", p_req=t.p_req_id,
+                           d_req=entry.d_req_id)
+                    t.ready.set()
+                else:
+                    self._remember(entry.transfer_id, "cancelled by the decode node")
+                failed[entry.d_req_id] = "cancelled"
+            elif t.state is TransferState.TRANSFERRING:
+                continue  # _serve answers when the write is over
+            elif t.state is TransferState.SUCCESS:
+                ok.append(entry.d_req_id)
+            else:
+                failed[entry.d_req_id] = t.error or "failed"
+        if ok or failed:
+            asyncio.create_task(self._reply(identity, m.TransferResponse(
+                status=m.Status.FINISH, ok=ok, failed=failed)))
+
+    # --- bookkeeping ----------------------------------------------------------------------
+
+    def _settle(self, t: Outgoing) -> None:
+        """A transfer reached a terminal state: free its blocks if the scheduler is done."""
+        self.by_transfer.pop(t.transfer_id, None)
+        self._remember(t.transfer_id, t.state.value if not t.error else t.error)
+        if t.p_req_id is None or t.scheduler_finished:
+            self._retire(t)
+
+    def _retire(self, t: Outgoing) -> None:
+        self.by_transfer.pop(t.transfer_id, None)
+        if t.p_req_id is not None and self.by_req.pop(t.p_req_id, None) is not None:
+            if t.scheduler_finished:
+                self._report(t.p_req_id)
+
+    def _report(self, req_id: str) -> None:
+        with self._finished_lock:
+            self._finished.add(req_id)
+
+    def _remember(self, transfer_id: str, outcome: str) -> None:
+        self._seen[transfer_id] = outcome
+        self._seen.move_to_end(transfer_id)
+        while len(self._seen) > _SEEN_IDS:
+            self._seen.popitem(last=False)
+
+    async def _expire_loop(self) -> None:
+        """P frees KV that no decode node fetched, and fails decode nodes whose prefill
+        never finished, after send_timeout_s."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for t in list(self.by_transfer.values()):
+                if t.state is not TransferState.WAITING_FOR_INPUT or now < t.deadline:
+                    continue
+                if t.p_req_id is None:
+                    why = "prefill did not finish within send_timeout_s"
+                else:
+                    why = "no decode node asked for the KV within send_timeout_s"
+                    self.stats.record_expired()
+                t.fail(why, p_req=t.p_req_id, d_req=t.d_req_id)
+                t.ready.set()
+                if t.d_req_id is None:
+                    self._settle(t)
+
+    def in_flight(self) -> int:
+        return len(self.by_req)
+
+
+def _write(transport: MooncakeTransport, fence: Callable[[], None] | None, session: str,
+           descs, max_batch: int):
+    if fence is not None:
+        fence()
+    return transport.write(session, descs, max_batch)
+
+
+def _zmq_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,86 @@
+"""The connector's settings, in one typed place.
+
+They come from vLLM's `--kv-transfer-config`: `engine_id`, `kv_role`, and
+`kv_connector_extra_config`, e.g.
+
+    {"kv_connector": "PDConnector", "kv_connector_module_path": "appliance.connector",
+     "kv_role": "kv_producer", "engine_id": "prefill-0",
+     "kv_connector_extra_config": {"bootstrap_addr": "http://10.0.0.1:8998",
+                                   "protocol": "rdma", "device_name": "mlx5_0"}}
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Role = Literal["producer", "consumer"]
+
+
+class ConnectorSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine_id: str = Field(min_length=1)
+    role: Role
+    # Producer: the bootstrap sidecar its workers register with (seeds step 4).
+    bootstrap_addr: str = "http://127.0.0.1:8998"
+    bootstrap_token: str | None = None
+    # How often a producer worker refreshes its registration; keep it well under the
+    # sidecar's TTL (default 30 s).
+    register_interval_s: float = Field(10.0, gt=0)
+    # Transport: "rdma" in production, "tcp" on machines without RDMA NICs. Set it
+    # explicitly; never rely on a default when GPUDirect is involved.
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""
+    # Address this worker's side channel and Mooncake session listen on; default
+    # VLLM_HOST_IP, else the host's primary address.
+    host: str | None = None
+    # Producer: threads that run blocking batch writes, off vLLM's forward path.
+    num_workers: int = Field(4, ge=1, le=64)
+    # Producer: how long computed KV is held for a decode node that never asks for it, and
+    # how long a decode node's request waits for its prefill to finish.
+    send_timeout_s: float = Field(120.0, gt=0)
+    # Consumer: the receive deadline; when it passes the request is handed to vLLM's
+    # load-failure policy (recompute locally by default) instead of waiting forever.
+    recv_timeout_s: float = Field(60.0, gt=0)
+    # Consumer: how long an aborted request's blocks stay held while the producer confirms
+    # it will not write into them any more.
+    cancel_grace_s: float = Field(5.0, gt=0)
+    # Descriptors per batch write to one peer (Mooncake TCP rejects very large batches).
+    max_batch_descs: int = Field(1024, ge=1)
+    # Consumer: if set, only these bootstrap addresses may be named by a request.
+    allowed_bootstrap_addrs: tuple[str, ...] | None = None
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role == "producer"
+
+    def resolved_host(self) -> str:
+        if self.host:
+            return self.host
+        if os.environ.get("VLLM_HOST_IP"):
+            return os.environ["VLLM_HOST_IP"]
+        from vllm.utils.network_utils import get_ip
+
+        return get_ip()
+
+    @classmethod
+    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorSettings:
+        role_map = {"kv_producer": "producer", "kv_consumer": "consumer"}
+        role = role_map.get(kv_transfer_config.kv_role)
+        if role is None:
+            raise ValueError(f"PDConnector needs kv_role kv_producer or kv_consumer, got "
+                             f"{kv_transfer_config.kv_role!r}")
+        extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+        token_file = extra.pop("bootstrap_token_file", None)
+        if token_file and "bootstrap_token" not in extra:
+            with open(token_file) as fh:
+                extra["bootstrap_token"] = fh.read().strip()
+        try:
+            return cls(engine_id=kv_transfer_config.engine_id or "", role=role, **extra)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                 for e in exc.errors())
+            raise ValueError(f"invalid PDConnector settings: {problems}") from None

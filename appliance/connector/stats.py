@@ -1,0 +1,83 @@
+"""Transfer metrics, exposed through vLLM's connector stats hooks.
+
+Workers accumulate into `TransferStats` (thread-safe: pushes finish on a thread pool);
+each step vLLM collects a `PDConnectorStats` snapshot (`get_kv_connector_stats`),
+aggregates it across workers, and logs `reduce()` periodically.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+_COUNTERS = ("transfers", "bytes", "descriptors", "seconds", "failures", "expired",
+             "recv_ok", "recv_failed")
+
+
+@dataclass
+class PDConnectorStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        for key in _COUNTERS:
+            self.data.setdefault(key, 0)
+
+    def reset(self) -> None:
+        self.data = {key: 0 for key in _COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in _COUNTERS:
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        seconds = d["seconds"]
+        return {
+            "num_transfers": d["transfers"],
+            "bytes": d["bytes"],
+            "descriptors": d["descriptors"],
+            "avg_transfer_ms": round(seconds / d["transfers"] * 1e3, 3) if d["transfers"] else 0,
+            "throughput_gbps": round(d["bytes"] / seconds / 1e9, 3) if seconds else 0,
+            "failed_transfers": d["failures"],
+            "expired_requests": d["expired"],
+            "received": d["recv_ok"],
+            "failed_receives": d["recv_failed"],
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in _COUNTERS)
+
+
+class TransferStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, Any] = {key: 0 for key in _COUNTERS}
+        self.totals: dict[str, Any] = {key: 0 for key in _COUNTERS}
+
+    def _add(self, **values: float) -> None:
+        with self._lock:
+            for key, value in values.items():
+                self._data[key] += value
+                self.totals[key] += value
+
+    def record_transfer(self, nbytes: int, descriptors: int, seconds: float) -> None:
+        self._add(transfers=1, bytes=nbytes, descriptors=descriptors, seconds=seconds)
+
+    def record_failure(self) -> None:
+        self._add(failures=1)
+
+    def record_expired(self) -> None:
+        self._add(expired=1)
+
+    def record_recv(self, ok: bool) -> None:
+        self._add(**({"recv_ok": 1} if ok else {"recv_failed": 1}))
+
+    def snapshot(self) -> PDConnectorStats | None:
+        """The counts since the last snapshot, or None when nothing happened."""
+        with self._lock:
+            if not any(self._data.values()):
+                return None
+            data, self._data = self._data, {key: 0 for key in _COUNTERS}
+        return PDConnectorStats(data=data)

@@ -1,0 +1,161 @@
+"""Worker side of the connector (runs in each vLLM worker process, one per TP rank).
+
+Registers the KV cache with the Mooncake Transfer Engine (seeds steps 1, 3, 5), then hands
+each step's metadata to the producer's `Sender` or the consumer's `Receiver`, which run on
+a background loop; vLLM's forward pass never waits on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from appliance.connector.loop import LoopThread
+from appliance.connector.metadata import PDConnectorMetadata
+from appliance.connector.plan import Region, TensorInfo, registration_spans
+from appliance.connector.settings import ConnectorSettings
+from appliance.connector.stats import PDConnectorStats, TransferStats
+from appliance.connector.transfer import MooncakeTransport
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("vllm.appliance.connector.worker")
+
+
+def layer_order(name: str) -> tuple[int, str]:
+    """Sort key: layer index first (both sides enumerate regions identically)."""
+    match = re.search(r"\.(\d+)\.", f".{name}.")
+    return (int(match.group(1)) if match else -1, name)
+
+
+def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list[Region],
+                                                                            list[TensorInfo]]:
+    """Regions of every layer's KV cache, in layer order, from their real shapes and
+    strides (CPU `[blocks, kv_heads, block, 2*head_dim]`, GPU flash-attention
+    `[2, blocks, block, kv_heads, head_dim]`, or any permutation of them)."""
+    infos = [TensorInfo.from_tensor(kv_caches[n]) for n in sorted(kv_caches, key=layer_order)]
+    return [r for info in infos for r in info.regions(num_blocks)], infos
+
+
+def compute_fence(device: Any) -> Callable[[], None] | None:
+    """Something to wait on until the KV written by this step's forward really exists.
+
+    On the CPU the forward has returned, so the KV is there. On a GPU the kernels may still
+    run: record an event on the current stream and let the push thread wait for it.
+    """
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event.synchronize
+
+
+class PDWorker:
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any,
+                 kv_cache_config: Any) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        self.settings = settings
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        self.host = settings.resolved_host()
+        self.stats = TransferStats()
+        self.transport = MooncakeTransport()
+        self.transport.start(self.host, settings.protocol, settings.device_name)
+        self.loop = LoopThread(f"pd-{settings.role}-tp{self.tp_rank}")
+        self.side: Any = None
+        self._device: Any = None
+        self._pending_ready: dict[str, tuple[str, list[int]]] = {}
+        log.info("%s worker tp %d/%d: Mooncake %s session %s", settings.role, self.tp_rank,
+                 self.tp_size, settings.protocol, self.transport.session_id)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        regions, infos = kv_regions(kv_caches, self.num_blocks)
+        spans = registration_spans(infos)
+        self.transport.register(spans)
+        self._device = next(iter(kv_caches.values())).device
+        log.info("registered %d layers as %d regions in %d spans (%.1f MiB), block %d B",
+                 len(infos), len(regions), len(spans), sum(n for _, n in spans) / 2**20,
+                 regions[0].block_bytes if regions else 0)
+        if self.settings.is_producer:
+            self.side = self.loop.run(self._make_sender(regions), timeout=30)
+            log.info("side channel %s", self.side.side_channel_addr)
+        else:
+            self.side = self.loop.run(self._make_receiver(regions), timeout=30)
+
+    async def _make_sender(self, regions: list[Region]):
+        from appliance.connector.sender import Sender
+
+        sender = Sender(self.settings, self.transport, regions, self.host, self.tp_rank,
+                        self.tp_size, self.dp_rank, self.stats)
+        await sender.start()
+        return sender
+
+    async def _make_receiver(self, regions: list[Region]):
+        from appliance.connector.receiver import Receiver
+
+        return Receiver(self.settings, self.transport, regions, self.host, self.tp_rank,
+                        self.tp_size, self.stats)
+
+    # --- per step -------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: PDConnectorMetadata) -> None:
+        if self.side is None:
+            return
+        if self.settings.is_producer:
+            self._activate_ready()  # in case the previous step had no wait_for_save
+            self._pending_ready.update(meta.ready_sends)
+            if meta.finished_sends:
+                self.loop.call(self.side.on_finished, set(meta.finished_sends))
+            if meta.aborted_sends:
+                self.loop.call(self.side.on_aborted, set(meta.aborted_sends))
+            return
+        for req_id, spec in meta.recvs.items():  # seeds step 19
+            self.loop.call(self.side.on_recv, req_id, spec)
+        for req_id, transfer_id in meta.cancelled_recvs.items():
+            self.loop.call(self.side.on_cancel, req_id, transfer_id)
+        for spec in meta.releases:
+            self.loop.call(self.side.on_release, spec)
+
+    def wait_for_save(self) -> None:
+        """After this step's forward: the prompts completed in it may be pushed now."""
+        self._activate_ready()
+
+    def _activate_ready(self) -> None:
+        if not self._pending_ready or self.side is None:
+            return
+        fence = compute_fence(self._device)
+        for req_id, (transfer_id, block_ids) in self._pending_ready.items():
+            self.loop.call(self.side.on_ready, req_id, transfer_id, block_ids, fence)
+        self._pending_ready = {}
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving)."""
+        if self.side is None:
+            return set(), set(), set()
+        if self.settings.is_producer:
+            return self.side.take_finished(), set(), set()
+        done, failed = self.side.take_results()
+        return set(), done, failed
+
+    def get_stats(self) -> PDConnectorStats | None:
+        return self.stats.snapshot()
+
+    def shutdown(self) -> None:
+        if self.side is not None:
+            try:
+                self.loop.run(self.side.close(), timeout=5)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                log.debug("side channel close failed", exc_info=True)
+        self.loop.stop()
+        self.transport.close()

@@ -1,0 +1,142 @@
+"""A 1P1D node as local processes: bootstrap sidecar, vLLM P and D with PDConnector.
+
+Used by the end-to-end tests, the benchmarks and `pdctl up --local`. On a machine without
+a GPU it runs the CPU build of vLLM with Mooncake over TCP, each vLLM server pinned to its
+own CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.process import (
+    CPU_BLOCK_SIZE,
+    CPU_SERVE_FLAGS,
+    ServiceProcess,
+    cpu_env,
+    vllm_serve_argv,
+)
+
+
+@dataclass
+class NodeSpec:
+    model: Path
+    served_model_name: str = "tiny"
+    host: str = "127.0.0.1"
+    prefill_port: int = 8010
+    decode_port: int = 8020
+    bootstrap_port: int = 8998
+    prefill_engine_id: str = "prefill-0"
+    decode_engine_id: str = "decode-0"
+    prefill_cpus: tuple[int, ...] | None = (0,)
+    decode_cpus: tuple[int, ...] | None = (1,)
+    max_model_len: int = 2048
+    bootstrap_ttl: float = 30.0
+    connector_extra: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+    log_dir: Path = Path("/tmp/pd-node")
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def bootstrap_url(self) -> str:
+        return f"http://{self.host}:{self.bootstrap_port}"
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://{self.host}:{self.prefill_port}"
+
+    @property
+    def decode_url(self) -> str:
+        return f"http://{self.host}:{self.decode_port}"
+
+    def kv_transfer_config(self, role: str) -> str:
+        engine = self.prefill_engine_id if role == "kv_producer" else self.decode_engine_id
+        extra = {"bootstrap_addr": self.bootstrap_url, "protocol": "tcp", "host": self.host,
+                 **self.connector_extra}
+        return json.dumps({"kv_connector": "PDConnector",
+                           "kv_connector_module_path": "appliance.connector",
+                           "kv_role": role, "engine_id": engine,
+                           "kv_load_failure_policy": self.kv_load_failure_policy,
+                           "kv_connector_extra_config": extra})
+
+
+def _omp_bind(cpus: tuple[int, ...] | None) -> str:
+    return ",".join(map(str, cpus)) if cpus else "auto"
+
+
+class LocalNode:
+    def __init__(self, spec: NodeSpec) -> None:
+        self.spec = spec
+        s = spec
+        self.bootstrap = ServiceProcess(
+            "bootstrap",
+            [sys.executable, "-m", "appliance.bootstrap", "--host", s.host, "--port",
+             str(s.bootstrap_port), "--ttl", str(s.bootstrap_ttl)],
+            s.log_dir / "bootstrap.log", health_url=f"{s.bootstrap_url}/health")
+        self.prefill = self._vllm("prefill", s.prefill_port, "kv_producer", s.prefill_cpus)
+        self.decode = self._vllm("decode", s.decode_port, "kv_consumer", s.decode_cpus)
+        self.timings: dict[str, float] = {}
+
+    def _vllm(self, name: str, port: int, role: str,
+              cpus: tuple[int, ...] | None) -> ServiceProcess:
+        s = self.spec
+        argv = vllm_serve_argv(s.model, port, host=s.host, served_model_name=s.served_model_name,
+                               block_size=CPU_BLOCK_SIZE, max_model_len=s.max_model_len,
+                               kv_transfer_config=s.kv_transfer_config(role),
+                               extra=CPU_SERVE_FLAGS)
+        return ServiceProcess(name, argv, s.log_dir / f"{name}.log",
+                              env={**cpu_env(_omp_bind(cpus), s.host), **s.extra_env},
+                              health_url=f"http://{s.host}:{port}/health", cpus=cpus)
+
+    @property
+    def services(self) -> list[ServiceProcess]:
+        return [self.bootstrap, self.prefill, self.decode]
+
+    def start(self, timeout: float = 300.0) -> dict[str, float]:
+        """Start every service and wait until healthy; returns seconds to healthy each."""
+        begin = time.monotonic()
+        for svc in self.services:
+            svc.start()
+        try:
+            for svc in self.services:
+                remaining = max(1.0, timeout - (time.monotonic() - begin))
+                svc.wait_healthy(remaining)
+                self.timings[svc.name] = time.monotonic() - begin
+            self._wait_registered(max(1.0, timeout - (time.monotonic() - begin)))
+            self.timings["registered"] = time.monotonic() - begin
+        except BaseException:
+            self.stop()
+            raise
+        return self.timings
+
+    def _wait_registered(self, timeout: float) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.spec.bootstrap_url}/query", timeout=2) as r:
+                    if any(v.get("engine_id") == self.spec.prefill_engine_id
+                           for v in json.load(r).values()):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the prefill engine never registered with the bootstrap")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            svc.stop()
+
+    def __enter__(self) -> LocalNode:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,88 @@
+"""A real 1P1D node on this machine: bootstrap + vLLM P + vLLM D (CPU build) with
+PDConnector over Mooncake TCP, plus a plain vLLM server as the parity reference."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from appliance.localnode import LocalNode, NodeSpec
+from tests.conftest import free_port
+
+# Short deadlines so failure paths finish quickly in tests.
+TEST_CONNECTOR = {"recv_timeout_s": 8, "send_timeout_s": 15, "cancel_grace_s": 2}
+
+
+@pytest.fixture(scope="session")
+def pd_node(tiny_model, tmp_path_factory):
+    spec = NodeSpec(model=tiny_model, prefill_port=free_port(), decode_port=free_port(),
+                    bootstrap_port=free_port(), connector_extra=dict(TEST_CONNECTOR),
+                    log_dir=tmp_path_factory.mktemp("pd-node"))
+    node = LocalNode(spec)
+    node.start(timeout=400)
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+async def post_json(http: aiohttp.ClientSession, url: str, body: dict,
+                    timeout: float = 120) -> tuple[int, dict]:
+    async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        return r.status, json.loads(await r.read())
+
+
+async def pd_request(node: LocalNode, path: str, body: dict, *, p_extra: dict | None = None,
+                     transfer_id: str | None = None, p_body: dict | None = None,
+                     send_p: bool = True) -> tuple[dict, dict | None]:
+    """Split one request the way the proxy does (seeds steps 9-10) and send both at once."""
+    transfer_id = transfer_id or f"xfer-{uuid.uuid4()}"
+    p = dict(p_body or body)
+    p.update(max_tokens=1, stream=False)
+    if "messages" in p:
+        p["max_completion_tokens"] = 1
+    p.pop("stream_options", None)
+    p["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                               "transfer_id": transfer_id}
+    p.update(p_extra or {})
+    d = dict(body)
+    d["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
+                               "remote_bootstrap_addr": node.spec.bootstrap_url,
+                               "remote_engine_id": node.spec.prefill_engine_id,
+                               "transfer_id": transfer_id}
+    async with aiohttp.ClientSession() as http:
+        d_task = asyncio.create_task(post_json(http, node.spec.decode_url + path, d))
+        p_result = None
+        if send_p:
+            p_status, p_result = await post_json(http, node.spec.prefill_url + path, p)
+            assert p_status == 200, p_result
+        d_status, d_result = await d_task
+        assert d_status == 200, d_result
+    return d_result, p_result
+
+
+async def plain_request(base: str, path: str, body: dict) -> dict:
+    async with aiohttp.ClientSession() as http:
+        status, result = await post_json(http, base + path, body)
+        assert status == 200, result
+        return result
+
+
+def text_of(result: dict) -> str:
+    choice = result["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def log_text(path: Path) -> str:
+    return path.read_text(errors="replace")

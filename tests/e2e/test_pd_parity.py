@@ -1,0 +1,119 @@
+"""The proof that matters most: greedy output through P→D equals one plain vLLM server's,
+token for token, and D really used P's KV."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+
+import pytest
+
+from tests.e2e.conftest import log_text, pd_request, plain_request, text_of, token_prompt
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32
+# Shorter than one block, exactly N blocks, N blocks + a few tokens, several hundred tokens.
+LENGTHS = [5, 2 * BLOCK, 2 * BLOCK + 3, 450]
+
+
+def completion(prompt, max_tokens=24, **kw) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **kw}
+
+
+def tokens_of(result: dict) -> list[int]:
+    return result["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+async def test_completions_equal_plain_server(pd_node, plain_server, length):
+    body = completion(token_prompt(length, seed=length))
+    expected = await plain_request(plain_server, "/v1/completions", body)
+    got, p_result = await pd_request(pd_node, "/v1/completions", body)
+    assert tokens_of(got) == tokens_of(expected)
+    assert text_of(got) == text_of(expected)
+    assert p_result["usage"]["completion_tokens"] == 1
+
+
+async def test_chat_equals_plain_server(pd_node, plain_server):
+    body = {"model": "tiny", "max_tokens": 20, "temperature": 0,
+            "messages": [{"role": "system", "content": "You answer in one line."},
+                         {"role": "user", "content": "Name three rivers and a mountain."}]}
+    expected = await plain_request(plain_server, "/v1/chat/completions", body)
+    got, _ = await pd_request(pd_node, "/v1/chat/completions", body)
+    assert text_of(got) == text_of(expected) and text_of(got)
+
+
+async def test_concurrent_requests_equal_plain_server(pd_node, plain_server):
+    bodies = [completion(token_prompt(40 + 61 * i, seed=100 + i), max_tokens=12)
+              for i in range(6)]
+    expected = [await plain_request(plain_server, "/v1/completions", b) for b in bodies]
+    got = await asyncio.gather(*(pd_request(pd_node, "/v1/completions", b) for b in bodies))
+    assert [tokens_of(g) for g, _ in got] == [tokens_of(e) for e in expected]
+
+
+async def test_decode_really_uses_prefill_kv(pd_node, plain_server):
+    """Control: give D prompt B but P prompt A (same length, same last token). D recomputes
+    only B's last token against P's KV, so its answer follows A, not B."""
+    a = token_prompt(100, seed=7)
+    b = token_prompt(100, seed=8)
+    b[-1] = a[-1]
+    plain_a = await plain_request(plain_server, "/v1/completions", completion(a))
+    plain_b = await plain_request(plain_server, "/v1/completions", completion(b))
+    assert tokens_of(plain_a) != tokens_of(plain_b)
+    got, _ = await pd_request(pd_node, "/v1/completions", completion(b),
+                              p_body=completion(a))
+    assert tokens_of(got) == tokens_of(plain_a)
+
+
+async def test_kv_sent_when_prefill_token_is_a_stop_token(pd_node, plain_server):
+    """P's single token ends the request with FINISHED_STOPPED (vllm#46008): the KV must
+    still be sent, not left for D to wait on."""
+    body = completion(token_prompt(70, seed=11), max_tokens=10)
+    expected = await plain_request(plain_server, "/v1/completions", body)
+    first = tokens_of(expected)[0]
+    start = time.monotonic()
+    got, p_result = await pd_request(pd_node, "/v1/completions", body,
+                                     p_extra={"stop_token_ids": [first]})
+    assert p_result["choices"][0]["finish_reason"] == "stop"
+    assert tokens_of(got) == tokens_of(expected)
+    assert time.monotonic() - start < 6  # well inside the 8 s receive deadline
+    transfer_id = None
+    for line in log_text(pd_node.decode.log_path).splitlines():
+        if "received d_req=" in line:
+            transfer_id = re.search(r"transfer=(\S+)", line).group(1)
+    assert transfer_id is not None
+
+
+async def test_missing_prefill_falls_back_within_the_deadline(pd_node, plain_server):
+    """No P request ever arrives: D gives up at its receive deadline and vLLM recomputes the
+    prompt locally (kv_load_failure_policy=recompute): an answer, not a hang."""
+    body = completion(token_prompt(90, seed=21), max_tokens=8)
+    expected = await plain_request(plain_server, "/v1/completions", body)
+    start = time.monotonic()
+    got, _ = await pd_request(pd_node, "/v1/completions", body, send_p=False)
+    elapsed = time.monotonic() - start
+    assert tokens_of(got) == tokens_of(expected)
+    assert 7 < elapsed < 30
+
+
+def _kv_usage(base: str) -> float:
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:kv_cache_usage_perc")]
+    assert values, "vllm:kv_cache_usage_perc not exported"
+    return max(values)
+
+
+async def test_zz_no_blocks_left_held(pd_node):
+    """After every test above: neither side holds KV blocks (no leak on any path)."""
+    deadline = time.monotonic() + 30
+    while True:
+        usage = (_kv_usage(pd_node.spec.prefill_url), _kv_usage(pd_node.spec.decode_url))
+        if usage == (0.0, 0.0):
+            return
+        assert time.monotonic() < deadline, f"blocks still held: P, D usage = {usage}"
+        await asyncio.sleep(1)
