@@ -290,10 +290,11 @@ class Sender:
             t = self.by_transfer.get(entry.transfer_id)
             if t is None or t.state is TransferState.WAITING_FOR_INPUT:
                 if t is not None:
-                    t.d_req_id = t.d_req_id or entry.d_req_id
                     t.fail("cancelled by the decode node", p_req=t.p_req_id,
                            d_req=entry.d_req_id)
                     t.ready.set()
+                    if t.d_req_id is None:
+                        self._settle(t)  # else the waiting _push settles and answers
                 else:
                     self._remember(entry.transfer_id, "cancelled by the decode node")
                 failed[entry.d_req_id] = "cancelled"

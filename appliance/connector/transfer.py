@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from appliance.connector.plan import MAX_BATCH_DESCS, Descriptors, split_batches
@@ -42,6 +43,19 @@ class WriteResult:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+def _check_rdma_devices(device_name: str, sys_root: Path) -> None:
+    ib = sys_root / "class" / "infiniband"
+    present = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+    wanted = [d.strip() for d in device_name.split(",") if d.strip()]
+    missing = [d for d in wanted if d not in present]
+    if not present or missing:
+        raise TransferError(
+            f"rdma needs RDMA devices: {', '.join(missing or ['any'])} not found in {ib} "
+            f"(present: {', '.join(present) or 'none'}); use protocol tcp, or check the NIC "
+            "driver and the container's /sys/class/infiniband and /dev/infiniband"
+        )
+
+
 class MooncakeTransport:
     """One TransferEngine per worker process: ``start``, ``register``, then ``write``.
 
@@ -60,12 +74,21 @@ class MooncakeTransport:
         self._lock = threading.Lock()
         self._peer_locks: dict[str, threading.Lock] = {}
 
-    def start(self, host: str, protocol: str = "tcp", device_name: str = "") -> str:
-        """Initialise the engine in P2P-handshake mode; returns the session id peers write to."""
+    def start(
+        self, host: str, protocol: str = "tcp", device_name: str = "", sys_root: str = "/sys"
+    ) -> str:
+        """Initialise the engine in P2P-handshake mode; returns the session id peers write to.
+
+        ``host`` must be an address peers can reach: Mooncake accepts any string here and only
+        peers' writes would fail. For rdma the devices are checked under ``sys_root`` first,
+        because Mooncake starts (and "registers" memory) without any RDMA device present.
+        """
         if self._engine is not None:
             raise TransferError("transport already started")
         if protocol not in PROTOCOLS:
             raise TransferError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        if protocol == "rdma":
+            _check_rdma_devices(device_name, Path(sys_root))
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake logs INFO lines per call
         from mooncake.engine import TransferEngine  # lazy: the import loads native libraries
 

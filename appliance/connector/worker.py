@@ -31,13 +31,34 @@ def layer_order(name: str) -> tuple[int, str]:
     return (int(match.group(1)) if match else -1, name)
 
 
+def block_major(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, int | None]:
+    """The tensor with vLLM's (manager) block as dimension 0, when that is knowable.
+
+    vLLM 0.32 hands every attention layer over as a logical `[B, H, N, C]` view whose
+    strides carry the physical layout (LBHNC, BLHNC, ...). When kernel blocks subdivide a
+    manager block, `B` is `num_blocks * ratio`: group them back so one region block is one
+    scheduler block. Other shapes (older layouts such as flash-attention's
+    `[2, B, N, H, D]`) are left for the planner to read from shape and strides.
+    """
+    if tensor.dim() and tensor.shape[0] == num_blocks:
+        return tensor, 0
+    if tensor.dim() and tensor.shape[0] > num_blocks and tensor.shape[0] % num_blocks == 0:
+        return tensor.unflatten(0, (num_blocks, -1)), 0
+    return tensor, None
+
+
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list[Region],
                                                                             list[TensorInfo]]:
     """Regions of every layer's KV cache, in layer order, from their real shapes and
-    strides (CPU `[blocks, kv_heads, block, 2*head_dim]`, GPU flash-attention
-    `[2, blocks, block, kv_heads, head_dim]`, or any permutation of them)."""
-    infos = [TensorInfo.from_tensor(kv_caches[n]) for n in sorted(kv_caches, key=layer_order)]
-    return [r for info in infos for r in info.regions(num_blocks)], infos
+    strides (never from an assumed layout)."""
+    regions: list[Region] = []
+    infos: list[TensorInfo] = []
+    for name in sorted(kv_caches, key=layer_order):
+        tensor, block_dim = block_major(kv_caches[name], num_blocks)
+        info = TensorInfo.from_tensor(tensor)
+        regions.extend(info.regions(num_blocks, block_dim))
+        infos.append(info)
+    return regions, infos
 
 
 def compute_fence(device: Any) -> Callable[[], None] | None:
