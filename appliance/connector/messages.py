@@ -52,6 +52,9 @@ class ReqEntry(msgspec.Struct, array_like=True, frozen=True):
     d_req_id: Id
     transfer_id: Id
     block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=_MAX_ITEMS)]
+    # Milliseconds D will still wait when it sends this (0: no deadline). P starts no write
+    # after it, so a D that gave up and reused the blocks is never written into.
+    deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
 
 
 class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=True):

@@ -42,6 +42,10 @@ class Incoming(Transfer):
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def _remaining_ms(deadline: float) -> int:
+    return max(1, int((deadline - time.monotonic()) * 1000))
+
+
 class _Peer:
     """One DEALER socket per producer worker, with a loop dispatching its replies."""
 
@@ -150,7 +154,8 @@ class Receiver:
         msg = m.TransferRequest(
             engine_id=self.settings.engine_id, host=self.host,
             rpc_port=self.transport.rpc_port, layout_id=self.layout_id,
-            reqs=[m.ReqEntry(inc.d_req_id, inc.transfer_id, list(inc.spec.block_ids))],
+            reqs=[m.ReqEntry(inc.d_req_id, inc.transfer_id, list(inc.spec.block_ids),
+                             _remaining_ms(inc.deadline))],
             tp_rank=self.tp_rank, tp_size=self.tp_size,
             layout=m.layout_to_wire(self.regions) if include else None)
         peer.layout_sent = True

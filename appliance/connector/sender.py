@@ -242,6 +242,9 @@ class Sender:
     async def _push(self, session: str, dst_regions: list[Region],
                     entry: m.ReqEntry) -> tuple[bool, str]:
         tid, d_req = entry.transfer_id, entry.d_req_id
+        # Leave D a margin: a write must be over before D's deadline, not merely started.
+        write_by = (time.monotonic() + entry.deadline_ms / 1000 * 0.8 if entry.deadline_ms
+                    else float("inf"))
         if tid in self._seen:
             return False, f"transfer {tid} is over ({self._seen[tid]}); transfer_id seen twice?"
         t = self.by_transfer.get(tid)
@@ -261,6 +264,11 @@ class Sender:
             self._settle(t)
             return False, t.error or "failed"
         assert t.block_ids is not None
+        if time.monotonic() > write_by:
+            t.fail("the decode node's deadline passed before the KV was ready",
+                   p_req=t.p_req_id, d_req=d_req)
+            self._settle(t)
+            return False, t.error or "deadline"
         t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
         try:
             src, dst = pair_blocks(t.block_ids, list(entry.block_ids))

@@ -320,3 +320,15 @@ async def test_tp_mismatch_is_rejected(pair, dealer):
     resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [3])], tp_rank=1,
                                                      tp_size=2, layout_id=10)))
     assert resp.status is m.Status.ERROR and "tp" in resp.message
+
+
+async def test_no_write_after_the_decode_deadline(pair, dealer):
+    """P starts no write once D's deadline (sent with the request) has passed: D may have
+    given up and reused those blocks."""
+    ask = asyncio.create_task(dealer.ask(m.encode_request(request(
+        pair, [("d1", "x7", [3, 4], 300)], layout_id=11))))
+    await asyncio.sleep(0.6)
+    pair.sender.on_ready("p1", "x7", [1, 2], None)
+    resp = await ask
+    assert "deadline" in resp.failed["d1"]
+    pair.assert_untouched()

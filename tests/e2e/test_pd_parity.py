@@ -100,6 +100,18 @@ async def test_missing_prefill_falls_back_within_the_deadline(pd_node, plain_ser
     assert 7 < elapsed < 30
 
 
+async def test_decode_client_abort_releases_blocks(pd_node):
+    """A client that gives up while D waits for KV: D's request is aborted, D tells P, and
+    D's blocks are freed well before the receive deadline (no leak, dynamo#7489)."""
+    body = completion(token_prompt(300, seed=31), max_tokens=8)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(pd_request(pd_node, "/v1/completions", body, send_p=False), 1.5)
+    start = time.monotonic()
+    while _kv_usage(pd_node.spec.decode_url) > 0:
+        assert time.monotonic() - start < 6, "aborted request still holds D's blocks"
+        await asyncio.sleep(0.2)
+
+
 def _kv_usage(base: str) -> float:
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

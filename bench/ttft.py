@@ -1,0 +1,243 @@
+"""Time to first token through P→D vs one plain vLLM server, and vs vLLM's built-in
+MooncakeConnector as the peer, all measured in this one run (real vLLM, CPU build,
+Mooncake over TCP loopback, the larger-KV tiny model: 48 KiB of KV per token).
+
+    .venv/bin/python bench/ttft.py [--sizes 128,512,2000] [--repeats 5] [--concurrency 1,4]
+
+Each setup runs alone (P pinned to CPU 0, D to CPU 1; the plain server to CPU 0), with a
+fresh prompt per request so no prefix cache helps. Added TTFT = setup's median TTFT minus
+the plain server's at the same size and concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from appliance import tinymodel  # noqa: E402
+from appliance.process import ServiceProcess, cpu_env, vllm_serve_argv  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+
+KV_BYTES = str(768 * 2**20)  # room for 4 concurrent 2,000-token prompts of 48 KiB/token
+FLAGS = ("--enforce-eager", "--kv-cache-memory-bytes", KV_BYTES)
+console = Console(stderr=True)
+
+
+@dataclass
+class Setup:
+    name: str
+    services: list[ServiceProcess]
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    bootstrap_url: str | None = None
+    engine_id: str | None = None
+    plain_url: str | None = None
+
+    def start(self) -> None:
+        for svc in self.services:
+            svc.start()
+        try:
+            for svc in self.services:
+                svc.wait_healthy(400)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            svc.stop()
+
+
+def serve(name: str, model: Path, port: int, cpus: tuple[int, ...], log_dir: Path,
+          kv_config: dict | None = None, env: dict | None = None) -> ServiceProcess:
+    argv = vllm_serve_argv(model, port, served_model_name="kvbench", block_size=32,
+                           max_model_len=4096, extra=FLAGS,
+                           kv_transfer_config=json.dumps(kv_config) if kv_config else None)
+    return ServiceProcess(name, argv, log_dir / f"{name}.log",
+                          env={**cpu_env(",".join(map(str, cpus))), **(env or {})},
+                          health_url=f"http://127.0.0.1:{port}/health", cpus=cpus)
+
+
+def plain_setup(model: Path, log_dir: Path) -> Setup:
+    port = free_port()
+    return Setup("plain", [serve("plain", model, port, (0,), log_dir)],
+                 plain_url=f"http://127.0.0.1:{port}")
+
+
+def ours_setup(model: Path, log_dir: Path) -> Setup:
+    bport, pport, dport = free_port(), free_port(), free_port()
+    boot = ServiceProcess("bootstrap", [sys.executable, "-m", "appliance.bootstrap", "--host",
+                                        "127.0.0.1", "--port", str(bport)],
+                          log_dir / "bootstrap.log",
+                          health_url=f"http://127.0.0.1:{bport}/health")
+
+    def cfg(role: str, engine: str) -> dict:
+        return {"kv_connector": "PDConnector", "kv_connector_module_path": "appliance.connector",
+                "kv_role": role, "engine_id": engine, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"bootstrap_addr": f"http://127.0.0.1:{bport}",
+                                              "protocol": "tcp", "host": "127.0.0.1"}}
+    return Setup("ours", [boot,
+                          serve("ours-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0")),
+                          serve("ours-d", model, dport, (1,), log_dir,
+                                cfg("kv_consumer", "d0"))],
+                 prefill_url=f"http://127.0.0.1:{pport}", decode_url=f"http://127.0.0.1:{dport}",
+                 bootstrap_url=f"http://127.0.0.1:{bport}", engine_id="p0")
+
+
+def builtin_setup(model: Path, log_dir: Path) -> Setup:
+    bport, pport, dport = free_port(), free_port(), free_port()
+    env = {"PD_PATCH_ACCELERATOR_INDEX": "1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport)}
+
+    def cfg(role: str) -> dict:
+        return {"kv_connector": "MooncakeConnector", "kv_role": role,
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+    return Setup("builtin", [serve("builtin-p", model, pport, (0,), log_dir,
+                                   cfg("kv_producer"), env),
+                             serve("builtin-d", model, dport, (1,), log_dir,
+                                   cfg("kv_consumer"), env)],
+                 prefill_url=f"http://127.0.0.1:{pport}", decode_url=f"http://127.0.0.1:{dport}",
+                 bootstrap_url=f"http://127.0.0.1:{bport}")
+
+
+async def discover_engine(setup: Setup) -> None:
+    if setup.engine_id or not setup.bootstrap_url:
+        return
+    async with aiohttp.ClientSession() as http:
+        for _ in range(300):
+            try:
+                async with http.get(setup.bootstrap_url + "/query") as r:
+                    data = await r.json()
+                    if data:
+                        setup.engine_id = data["0"]["engine_id"]
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{setup.name}: the prefill engine never registered")
+
+
+async def first_token_seconds(http: aiohttp.ClientSession, url: str, body: dict) -> float:
+    start = time.perf_counter()
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: ") and b'"text"' in line:
+                elapsed = time.perf_counter() - start
+                async for _ in resp.content:
+                    pass
+                return elapsed
+    raise RuntimeError("stream ended without a token")
+
+
+async def one_request(http: aiohttp.ClientSession, setup: Setup, prompt: list[int]) -> float:
+    body = {"model": "kvbench", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+            "stream": True}
+    if setup.plain_url:
+        return await first_token_seconds(http, setup.plain_url, body)
+    tid = f"xfer-{uuid.uuid4()}"
+    p_body = {**body, "max_tokens": 1, "stream": False,
+              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                     "transfer_id": tid}}
+    d_body = {**body, "kv_transfer_params": {
+        "do_remote_decode": False, "do_remote_prefill": True,
+        "remote_bootstrap_addr": setup.bootstrap_url, "remote_engine_id": setup.engine_id,
+        "transfer_id": tid}}
+
+    async def prefill() -> None:
+        async with http.post(setup.prefill_url + "/v1/completions", json=p_body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+    p_task = asyncio.create_task(prefill())
+    ttft = await first_token_seconds(http, setup.decode_url, d_body)
+    await p_task
+    return ttft
+
+
+async def measure(setup: Setup, sizes: list[int], concurrency: list[int], repeats: int,
+                  seed: int) -> dict[tuple[int, int], float]:
+    rng = random.Random(seed)
+    results: dict[tuple[int, int], float] = {}
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        await one_request(http, setup, [rng.randrange(3, 2000) for _ in range(64)])  # warm up
+        for size in sizes:
+            for conc in concurrency:
+                samples = []
+                for _ in range(repeats):
+                    prompts = [[rng.randrange(3, 2000) for _ in range(size)]
+                               for _ in range(conc)]
+                    times = await asyncio.gather(*(one_request(http, setup, p)
+                                                   for p in prompts))
+                    samples.append(statistics.mean(times))
+                results[(size, conc)] = statistics.median(samples)
+                console.log(f"{setup.name}: {size} tokens x{conc}: "
+                            f"{results[(size, conc)] * 1e3:.1f} ms")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="128,512,2000")
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-builtin", action="store_true")
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-ttft"))
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    conc = [int(x) for x in args.concurrency.split(",")]
+    model = tinymodel.build(ROOT / ".cache" / "models" / "kvbench", "kvbench")
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+
+    makers = [plain_setup, ours_setup] + ([] if args.skip_builtin else [builtin_setup])
+    results: dict[str, dict[tuple[int, int], float]] = {}
+    for make in makers:
+        setup = make(model, args.log_dir)
+        console.log(f"starting {setup.name}")
+        setup.start()
+        try:
+            asyncio.run(discover_engine(setup))
+            results[setup.name] = asyncio.run(measure(setup, sizes, conc, args.repeats, 1))
+        finally:
+            setup.stop()
+
+    table = Table(title="TTFT (median ms); added = setup - plain, same run")
+    for col in ("prompt tokens", "conc", "KV MiB", "plain", "ours", "ours added",
+                "built-in", "built-in added", "ours/built-in added"):
+        table.add_column(col, justify="right")
+    kv_per_token = tinymodel.SIZES["kvbench"].kv_bytes_per_token()
+    for size in sizes:
+        for c in conc:
+            plain = results["plain"][(size, c)]
+            ours = results["ours"][(size, c)]
+            row = [str(size), str(c), f"{size * kv_per_token / 2**20:.1f}",
+                   f"{plain * 1e3:.1f}", f"{ours * 1e3:.1f}", f"{(ours - plain) * 1e3:.1f}"]
+            if "builtin" in results:
+                builtin = results["builtin"][(size, c)]
+                added_b = builtin - plain
+                ratio = (ours - plain) / added_b if added_b > 0 else float("nan")
+                row += [f"{builtin * 1e3:.1f}", f"{added_b * 1e3:.1f}", f"{ratio:.2f}"]
+            else:
+                row += ["-", "-", "-"]
+            table.add_row(*row)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
