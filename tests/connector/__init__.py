@@ -1,0 +1,1 @@
+"""Tests of the KV connector: planning, messages, Mooncake transport."""

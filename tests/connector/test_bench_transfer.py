@@ -1,0 +1,39 @@
+"""Smoke test: bench/transfer.py runs end to end on a tiny shape and prints its table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_transfer_runs() -> None:
+    pytest.importorskip("mooncake.engine")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "transfer.py"),
+            "--layers",
+            "2",
+            "--blocks",
+            "4",
+            "--p-first",
+            "1",
+            "--d-first",
+            "3",
+            "--reps",
+            "1",
+            "--slice",
+            "default",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert "ours/raw" in out and "fragmented" in out and "memcpy" in out
