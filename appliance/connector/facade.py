@@ -135,6 +135,14 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
                                  ) -> KVConnectorStats | None:
         return PDConnectorStats(data=data or {})
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from appliance.connector.stats import build_prom_metrics
+
+        return build_prom_metrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

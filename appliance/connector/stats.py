@@ -81,3 +81,43 @@ class TransferStats:
                 return None
             data, self._data = self._data, {key: 0 for key in _COUNTERS}
         return PDConnectorStats(data=data)
+
+
+# Prometheus names (vLLM's /metrics on each server), one counter per stats key.
+PROM_COUNTERS = {
+    "transfers": ("vllm:pd_kv_transfers", "KV transfers pushed by this prefill server."),
+    "bytes": ("vllm:pd_kv_transfer_bytes", "Bytes of KV pushed by this prefill server."),
+    "descriptors": ("vllm:pd_kv_transfer_descriptors", "Transfer descriptors written."),
+    "seconds": ("vllm:pd_kv_transfer_seconds", "Seconds spent in KV batch writes."),
+    "failures": ("vllm:pd_kv_failed_transfers", "KV transfers or requests that failed."),
+    "expired": ("vllm:pd_kv_expired_requests",
+                "Prefilled requests freed because no decode node fetched their KV."),
+    "recv_ok": ("vllm:pd_kv_received", "Requests whose KV arrived from a prefill node."),
+    "recv_failed": ("vllm:pd_kv_failed_receives",
+                    "Requests whose KV did not arrive (recomputed or failed by policy)."),
+}
+
+
+def build_prom_metrics(vllm_config: Any, metric_types: dict, labelnames: list[str],
+                       per_engine_labelvalues: dict[int, list[object]]) -> Any:
+    from prometheus_client import Counter
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+    from vllm.v1.metrics.utils import create_metric_per_engine
+
+    class PDPromMetrics(KVConnectorPromMetrics):
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            counter_cls = metric_types[Counter]
+            self.counters = {
+                key: create_metric_per_engine(
+                    counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                    per_engine_labelvalues)
+                for key, (name, doc) in PROM_COUNTERS.items()}
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for key, per_engine in self.counters.items():
+                value = transfer_stats_data.get(key, 0)
+                if value:
+                    per_engine[engine_idx].inc(value)
+
+    return PDPromMetrics()

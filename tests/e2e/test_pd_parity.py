@@ -120,6 +120,26 @@ def _kv_usage(base: str) -> float:
     return max(values)
 
 
+def _counter(base: str, name: str) -> float:
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def test_z_transfer_metrics_exported(pd_node):
+    """The connector's stats reach each server's Prometheus /metrics."""
+    deadline = time.monotonic() + 30
+    while True:
+        sent = _counter(pd_node.spec.prefill_url, "vllm:pd_kv_transfers_total")
+        received = _counter(pd_node.spec.decode_url, "vllm:pd_kv_received_total")
+        failed = _counter(pd_node.spec.decode_url, "vllm:pd_kv_failed_receives_total")
+        if sent >= 10 and received >= 10 and failed >= 1:
+            break
+        assert time.monotonic() < deadline, (sent, received, failed)
+        await asyncio.sleep(1)
+    assert _counter(pd_node.spec.prefill_url, "vllm:pd_kv_transfer_bytes_total") > 0
+
+
 async def test_zz_no_blocks_left_held(pd_node):
     """After every test above: neither side holds KV blocks (no leak on any path)."""
     deadline = time.monotonic() + 30
