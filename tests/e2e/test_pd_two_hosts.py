@@ -1,0 +1,83 @@
+"""P and D on two "hosts": network namespaces joined by a veth pair, KV over Mooncake TCP
+between them. The driver runs inside D's namespace (those addresses exist only there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from appliance.localnode import NodeSpec
+from appliance.process import (
+    CPU_BLOCK_SIZE,
+    CPU_SERVE_FLAGS,
+    ServiceProcess,
+    cpu_env,
+    vllm_serve_argv,
+)
+from tests.conftest import ROOT
+from tests.connector.test_transport import two_namespaces
+from tests.e2e.conftest import TEST_CONNECTOR, plain_request, token_prompt
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("ip") is None or os.geteuid() != 0,
+                                 reason="needs root and iproute2")]
+
+
+async def test_two_hosts_equal_plain_server(tiny_model, plain_server, tmp_path):
+    prompts = [token_prompt(n, seed=50 + n) for n in (20, 64, 300)]
+    expected = []
+    for prompt in prompts:
+        result = await plain_request(plain_server, "/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True})
+        expected.append(result["choices"][0]["token_ids"])
+
+    with two_namespaces() as (ns_p, ns_d, ip_p, ip_d):
+        def in_ns(ns: str, argv: list[str]) -> list[str]:
+            return ["ip", "netns", "exec", ns, *argv]
+
+        # Each side's connector names P's bootstrap sidecar.
+        spec_p = NodeSpec(model=tiny_model, host=ip_p, connector_extra=dict(TEST_CONNECTOR))
+        spec_d = NodeSpec(model=tiny_model, host=ip_d, bootstrap_port=8998,
+                          connector_extra=dict(TEST_CONNECTOR))
+        bootstrap = f"http://{ip_p}:8998"
+        services = [
+            ServiceProcess("bootstrap", in_ns(ns_p, [sys.executable, "-m", "appliance.bootstrap",
+                                                     "--host", ip_p, "--port", "8998"]),
+                           tmp_path / "bootstrap.log"),
+            ServiceProcess("prefill", in_ns(ns_p, vllm_serve_argv(
+                tiny_model, 8010, host=ip_p, served_model_name="tiny",
+                block_size=CPU_BLOCK_SIZE, max_model_len=2048, extra=CPU_SERVE_FLAGS,
+                kv_transfer_config=spec_p.kv_transfer_config("kv_producer").replace(
+                    spec_p.bootstrap_url, bootstrap))),
+                tmp_path / "prefill.log", env=cpu_env("0", ip_p), cpus=[0]),
+            ServiceProcess("decode", in_ns(ns_d, vllm_serve_argv(
+                tiny_model, 8020, host=ip_d, served_model_name="tiny",
+                block_size=CPU_BLOCK_SIZE, max_model_len=2048, extra=CPU_SERVE_FLAGS,
+                kv_transfer_config=spec_d.kv_transfer_config("kv_consumer").replace(
+                    spec_d.bootstrap_url, bootstrap))),
+                tmp_path / "decode.log", env=cpu_env("1", ip_d), cpus=[1]),
+        ]
+        for svc in services:
+            svc.start()
+        try:
+            args = {"prefill": f"http://{ip_p}:8010", "decode": f"http://{ip_d}:8020",
+                    "bootstrap": bootstrap, "prompts": prompts, "timeout": 300}
+            res = subprocess.run(in_ns(ns_d, [sys.executable, "-m",
+                                              "tests.e2e.two_host_driver", json.dumps(args)]),
+                                 capture_output=True, text=True, timeout=600,
+                                 cwd=str(ROOT))
+            assert res.returncode == 0, res.stderr[-3000:] + "\n".join(
+                s.log_tail(30) for s in services)
+            assert json.loads(res.stdout.strip().splitlines()[-1]) == expected
+            sent = (tmp_path / "prefill.log").read_text()
+            assert sent.count("sent p_req=") == len(prompts)
+            assert f"session {ip_p}:" in sent  # P's Mooncake engine lives on P's host
+        finally:
+            for svc in reversed(services):
+                svc.stop()

@@ -1,0 +1,54 @@
+"""Runs inside the decode host's network namespace: waits for both servers, sends split
+requests the way the proxy does, prints the answers' token ids as JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+
+from tests.e2e.conftest import post_json  # noqa: F401 - shared helper
+
+
+async def main(args: dict) -> None:
+    import uuid
+
+    import aiohttp
+
+    deadline = time.monotonic() + args["timeout"]
+    for url in (args["prefill"], args["decode"]):
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} never became healthy")
+            time.sleep(0.5)
+    answers = []
+    async with aiohttp.ClientSession() as http:
+        for prompt in args["prompts"]:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                    "return_token_ids": True}
+            tid = f"xfer-{uuid.uuid4()}"
+            p_body = {**body, "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}}
+            d_body = {**body, "kv_transfer_params": {
+                "do_remote_decode": False, "do_remote_prefill": True,
+                "remote_bootstrap_addr": args["bootstrap"], "remote_engine_id": "prefill-0",
+                "transfer_id": tid}}
+            d_task = asyncio.create_task(post_json(http, args["decode"] + "/v1/completions",
+                                                   d_body))
+            p_status, _ = await post_json(http, args["prefill"] + "/v1/completions", p_body)
+            d_status, d_result = await d_task
+            assert p_status == d_status == 200, (p_status, d_status, d_result)
+            answers.append(d_result["choices"][0]["token_ids"])
+    print(json.dumps(answers))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(json.loads(sys.argv[1])))
