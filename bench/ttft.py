@@ -79,7 +79,7 @@ def plain_setup(model: Path, log_dir: Path) -> Setup:
                  plain_url=f"http://127.0.0.1:{port}")
 
 
-def ours_setup(model: Path, log_dir: Path) -> Setup:
+def ours_setup(model: Path, log_dir: Path, early_push: bool = True) -> Setup:
     bport, pport, dport = free_port(), free_port(), free_port()
     boot = ServiceProcess("bootstrap", [sys.executable, "-m", "appliance.bootstrap", "--host",
                                         "127.0.0.1", "--port", str(bport)],
@@ -90,11 +90,13 @@ def ours_setup(model: Path, log_dir: Path) -> Setup:
         return {"kv_connector": "PDConnector", "kv_connector_module_path": "appliance.connector",
                 "kv_role": role, "engine_id": engine, "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"bootstrap_addr": f"http://127.0.0.1:{bport}",
-                                              "protocol": "tcp", "host": "127.0.0.1"}}
-    return Setup("ours", [boot,
-                          serve("ours-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0")),
-                          serve("ours-d", model, dport, (1,), log_dir,
-                                cfg("kv_consumer", "d0"))],
+                                              "protocol": "tcp", "host": "127.0.0.1",
+                                              "early_push": early_push}}
+    name = "ours" if early_push else "ours-late"
+    return Setup(name, [boot,
+                        serve(f"{name}-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0")),
+                        serve(f"{name}-d", model, dport, (1,), log_dir,
+                              cfg("kv_consumer", "d0"))],
                  prefill_url=f"http://127.0.0.1:{pport}", decode_url=f"http://127.0.0.1:{dport}",
                  bootstrap_url=f"http://127.0.0.1:{bport}", engine_id="p0")
 
@@ -198,6 +200,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-builtin", action="store_true")
+    parser.add_argument("--compare-late", action="store_true",
+                        help="also run ours with early_push=false (the reference's timing)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-ttft"))
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -205,7 +209,11 @@ def main() -> None:
     model = tinymodel.build(ROOT / ".cache" / "models" / "kvbench", "kvbench")
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
-    makers = [plain_setup, ours_setup] + ([] if args.skip_builtin else [builtin_setup])
+    makers = [plain_setup, ours_setup]
+    if args.compare_late:
+        makers.append(lambda model, log_dir: ours_setup(model, log_dir, early_push=False))
+    if not args.skip_builtin:
+        makers.append(builtin_setup)
     results: dict[str, dict[tuple[int, int], float]] = {}
     for make in makers:
         setup = make(model, args.log_dir)
@@ -219,7 +227,7 @@ def main() -> None:
 
     table = Table(title="TTFT (median ms); added = setup - plain, same run")
     for col in ("prompt tokens", "conc", "KV MiB", "plain", "ours", "ours added",
-                "built-in", "built-in added", "ours/built-in added"):
+                "ours-late added", "built-in", "built-in added", "ours/built-in added"):
         table.add_column(col, justify="right")
     kv_per_token = tinymodel.SIZES["kvbench"].kv_bytes_per_token()
     for size in sizes:
@@ -228,6 +236,8 @@ def main() -> None:
             ours = results["ours"][(size, c)]
             row = [str(size), str(c), f"{size * kv_per_token / 2**20:.1f}",
                    f"{plain * 1e3:.1f}", f"{ours * 1e3:.1f}", f"{(ours - plain) * 1e3:.1f}"]
+            late = results.get("ours-late", {}).get((size, c))
+            row.append(f"{(late - plain) * 1e3:.1f}" if late is not None else "-")
             if "builtin" in results:
                 builtin = results["builtin"][(size, c)]
                 added_b = builtin - plain

@@ -48,6 +48,10 @@ class ConnectorSettings(BaseModel):
     # Consumer: how long an aborted request's blocks stay held while the producer confirms
     # it will not write into them any more.
     cancel_grace_s: float = Field(5.0, gt=0)
+    # Producer: push right after the forward pass that computes a prompt's last KV
+    # (wait_for_save), one scheduler step earlier than the reference, which waits for the
+    # request to finish (seeds step 26). False reproduces the reference's timing.
+    early_push: bool = True
     # Descriptors per batch write to one peer (Mooncake TCP rejects very large batches).
     max_batch_descs: int = Field(1024, ge=1)
     # Consumer: if set, only these bootstrap addresses may be named by a request.

@@ -134,7 +134,10 @@ class PDWorker:
         if self.side is None:
             return
         if self.settings.is_producer:
-            self._activate_ready()  # in case the previous step had no wait_for_save
+            if self.settings.early_push:
+                self._activate_ready()  # in case the previous step had no wait_for_save
+            else:  # the reference's timing: only once the request has finished
+                self._activate_ready(meta.finished_sends)
             self._pending_ready.update(meta.ready_sends)
             if meta.finished_sends:
                 self.loop.call(self.side.on_finished, set(meta.finished_sends))
@@ -150,15 +153,16 @@ class PDWorker:
 
     def wait_for_save(self) -> None:
         """After this step's forward: the prompts completed in it may be pushed now."""
-        self._activate_ready()
+        if self.settings.early_push:
+            self._activate_ready()
 
-    def _activate_ready(self) -> None:
+    def _activate_ready(self, only: set[str] | None = None) -> None:
         if not self._pending_ready or self.side is None:
             return
         fence = compute_fence(self._device)
-        for req_id, (transfer_id, block_ids) in self._pending_ready.items():
+        for req_id in [r for r in self._pending_ready if only is None or r in only]:
+            transfer_id, block_ids = self._pending_ready.pop(req_id)
             self.loop.call(self.side.on_ready, req_id, transfer_id, block_ids, fence)
-        self._pending_ready = {}
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving)."""
