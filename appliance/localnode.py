@@ -1,4 +1,5 @@
-"""A 1P1D node as local processes: bootstrap sidecar, vLLM P and D with PDConnector.
+"""A 1P1D node as local processes: bootstrap sidecar, vLLM P and D with PDConnector, and
+(when `proxy_port` is set) the proxy in front of them.
 
 Used by the end-to-end tests, the benchmarks and `pdctl up --local`. On a machine without
 a GPU it runs the CPU build of vLLM with Mooncake over TCP, each vLLM server pinned to its
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from typing import Any
 from appliance.process import (
     CPU_BLOCK_SIZE,
     CPU_SERVE_FLAGS,
+    ServiceFailed,
     ServiceProcess,
     cpu_env,
     vllm_serve_argv,
@@ -41,6 +45,10 @@ class NodeSpec:
     kv_load_failure_policy: str = "recompute"
     log_dir: Path = Path("/tmp/pd-node")
     extra_env: dict[str, str] = field(default_factory=dict)
+    # The proxy as a fourth service (None: no proxy); it listens on proxy_host.
+    proxy_port: int | None = None
+    proxy_host: str | None = None
+    proxy_args: tuple[str, ...] = ("--health-interval", "0.5")
 
     @property
     def bootstrap_url(self) -> str:
@@ -53,6 +61,13 @@ class NodeSpec:
     @property
     def decode_url(self) -> str:
         return f"http://{self.host}:{self.decode_port}"
+
+    @property
+    def proxy_url(self) -> str | None:
+        if self.proxy_port is None:
+            return None
+        host = self.proxy_host or self.host
+        return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.proxy_port}"
 
     def kv_transfer_config(self, role: str) -> str:
         engine = self.prefill_engine_id if role == "kv_producer" else self.decode_engine_id
@@ -80,6 +95,14 @@ class LocalNode:
             s.log_dir / "bootstrap.log", health_url=f"{s.bootstrap_url}/health")
         self.prefill = self._vllm("prefill", s.prefill_port, "kv_producer", s.prefill_cpus)
         self.decode = self._vllm("decode", s.decode_port, "kv_consumer", s.decode_cpus)
+        self.proxy: ServiceProcess | None = None
+        if s.proxy_port is not None:
+            self.proxy = ServiceProcess(
+                "proxy",
+                [sys.executable, "-m", "appliance.proxy", "--host", s.proxy_host or s.host,
+                 "--port", str(s.proxy_port), "--prefill", f"{s.prefill_url},{s.bootstrap_url}",
+                 "--decode", s.decode_url, *s.proxy_args],
+                s.log_dir / "proxy.log", health_url=f"{s.proxy_url}/health")
         self.timings: dict[str, float] = {}
 
     def _vllm(self, name: str, port: int, role: str,
@@ -95,40 +118,70 @@ class LocalNode:
 
     @property
     def services(self) -> list[ServiceProcess]:
-        return [self.bootstrap, self.prefill, self.decode]
+        core = [self.bootstrap, self.prefill, self.decode]
+        return core + [self.proxy] if self.proxy is not None else core
 
-    def start(self, timeout: float = 300.0) -> dict[str, float]:
+    def start(self, timeout: float = 300.0,
+              progress: Callable[[str, float], None] | None = None) -> dict[str, float]:
         """Start every service and wait until healthy; returns seconds to healthy each."""
-        begin = time.monotonic()
-        for svc in self.services:
-            svc.start()
+        self.start_processes()
+        return self.wait_healthy(timeout, progress)
+
+    def start_processes(self) -> None:
+        self._begin = time.monotonic()
         try:
             for svc in self.services:
-                remaining = max(1.0, timeout - (time.monotonic() - begin))
-                svc.wait_healthy(remaining)
-                self.timings[svc.name] = time.monotonic() - begin
-            self._wait_registered(max(1.0, timeout - (time.monotonic() - begin)))
-            self.timings["registered"] = time.monotonic() - begin
+                svc.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self, timeout: float = 300.0,
+                     progress: Callable[[str, float], None] | None = None) -> dict[str, float]:
+        """Poll every service at once until all are healthy and P is registered.
+
+        `timings` gets each service's seconds from start to healthy (and "registered": P's
+        engine id in the bootstrap); `progress(name, seconds)` is called as each arrives.
+        On failure or timeout every service is stopped.
+        """
+        begin = getattr(self, "_begin", time.monotonic())
+        pending = list(self.services)
+        registered = False
+        try:
+            while pending or not registered:
+                for svc in list(pending):
+                    if svc.poll_healthy():
+                        pending.remove(svc)
+                        self._arrived(svc.name, begin, progress)
+                if not registered and self.bootstrap not in pending and self._registered():
+                    registered = True
+                    self._arrived("registered", begin, progress)
+                if not pending and registered:
+                    break
+                if time.monotonic() - begin > timeout:
+                    late = pending[0] if pending else self.prefill
+                    what = late.name if pending else "the prefill engine's registration"
+                    raise ServiceFailed(f"{what} not ready after {timeout:.0f}s; last log "
+                                        f"lines of {late.name}:\n{late.log_tail()}")
+                time.sleep(0.25)
         except BaseException:
             self.stop()
             raise
         return self.timings
 
-    def _wait_registered(self, timeout: float) -> None:
-        import urllib.request
+    def _arrived(self, name: str, begin: float,
+                 progress: Callable[[str, float], None] | None) -> None:
+        self.timings[name] = time.monotonic() - begin
+        if progress is not None:
+            progress(name, self.timings[name])
 
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.spec.bootstrap_url}/query", timeout=2) as r:
-                    if any(v.get("engine_id") == self.spec.prefill_engine_id
-                           for v in json.load(r).values()):
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the prefill engine never registered with the bootstrap")
-            time.sleep(0.2)
+    def _registered(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.spec.bootstrap_url}/query", timeout=2) as r:
+                return any(v.get("engine_id") == self.spec.prefill_engine_id
+                           for v in json.load(r).values())
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def stop(self) -> None:
         for svc in reversed(self.services):

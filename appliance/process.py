@@ -59,15 +59,19 @@ class ServiceProcess:
         except OSError:
             return ""
 
+    def poll_healthy(self) -> bool:
+        """One health probe; raises ServiceFailed when the process has exited."""
+        if not self.running:
+            code = self.proc.returncode if self.proc else None
+            raise ServiceFailed(f"{self.name} exited with code {code}; last log lines:\n"
+                                f"{self.log_tail()}")
+        return self.health_url is None or http_ok(self.health_url)
+
     def wait_healthy(self, timeout: float, poll: float = 0.5) -> float:
         """Poll health_url until it answers 200; returns seconds waited."""
         start = time.monotonic()
         while True:
-            if not self.running:
-                code = self.proc.returncode if self.proc else None
-                raise ServiceFailed(f"{self.name} exited with code {code}; last log lines:\n"
-                                    f"{self.log_tail()}")
-            if self.health_url is None or http_ok(self.health_url):
+            if self.poll_healthy():
                 return time.monotonic() - start
             if time.monotonic() - start > timeout:
                 raise ServiceFailed(f"{self.name} not healthy after {timeout:.0f}s "

@@ -1,0 +1,486 @@
+"""pdctl: configure, check, start, watch and stop a 1P1D pd-appliance node.
+
+Errors are one line each, `pdctl: error: ...`; exit code 2 for bad flags or config, 1 for
+failures on the host or in a service.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from appliance.pdctl import config as cfgmod
+from appliance.pdctl.config import HostConfig, host_problems, load_config, parse_config, to_toml
+from appliance.pdctl.errors import RUNTIME, USAGE, ConfigError, PdctlError
+from appliance.pdctl.host import HostProbe
+from appliance.pdctl.runner import Runner, SubprocessRunner
+
+
+@dataclass
+class Env:
+    """What every command reads the host through: tests pass a fake root and runner."""
+    root: Path = Path("/")
+    runner: Runner = field(default_factory=SubprocessRunner)
+    console: Console | None = None
+
+    @property
+    def probe(self) -> HostProbe:
+        return HostProbe(self.root, self.runner)
+
+    @property
+    def out(self) -> Console:
+        if self.console is None:
+            self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+        return self.console
+
+
+def _fail(lines: list[str] | str, code: int, detail: str = "") -> None:
+    for line in [lines] if isinstance(lines, str) else lines:
+        click.echo(f"pdctl: error: {line}", err=True)
+    if detail:
+        click.echo(detail.rstrip("\n"), err=True)
+    sys.exit(code)
+
+
+class PdctlGroup(click.Group):
+    def main(self, args: Any = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        try:
+            rv = super().main(args, prog_name or "pdctl", complete_var,
+                              standalone_mode=False, **extra)
+        except PdctlError as exc:
+            _fail(exc.lines, exc.code, exc.detail)
+        except click.UsageError as exc:
+            hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+            _fail(exc.format_message() + hint, USAGE)
+        except click.ClickException as exc:
+            _fail(exc.format_message(), exc.exit_code)
+        except (click.Abort, KeyboardInterrupt):
+            _fail("interrupted", 130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _env(ctx: click.Context) -> Env:
+    if not isinstance(ctx.obj, Env):
+        ctx.obj = Env()
+    return ctx.obj
+
+
+def _config_path(explicit: Path | None) -> Path:
+    return explicit or cfgmod.default_config_path()
+
+
+def _load(explicit: Path | None, env: Env, host_checks: bool) -> tuple[HostConfig, Path]:
+    path = _config_path(explicit)
+    cfg = load_config(path)
+    if host_checks:
+        problems = host_problems(cfg, env.probe)
+        if problems:
+            raise ConfigError([f"{path}: {p}" for p in problems])
+    return cfg, path
+
+
+config_option = click.option(
+    "--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
+    help=f"host config (default ${cfgmod.CONFIG_ENV} or {cfgmod.DEFAULT_CONFIG})")
+
+
+@click.group(cls=PdctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Configure, check, start, watch and stop a pd-appliance 1P1D node.
+
+    \b
+    Try it on this machine (CPU build, tiny model, no containers):
+      pdctl up --local            # proxy on :8000; Ctrl-C stops it
+    On a GPU host:
+      pdctl init --model /models/X && pdctl doctor && pdctl up && pdctl status
+    """
+    _env(ctx)
+
+
+# ---- init -------------------------------------------------------------------------------
+
+def _ints(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of GPU indices") \
+            from None
+
+
+@cli.command()
+@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="where to write the config (default: --config, $PDCTL_CONFIG or "
+                   f"{cfgmod.DEFAULT_CONFIG})")
+@config_option
+@click.option("--model", "model_path", help="model directory on this host (absolute path)")
+@click.option("--served-name", help="model name clients use (default: the directory's name)")
+@click.option("--name", "host_name", help="host name (default: hostname)")
+@click.option("--host-ip", help="address peers reach this host at (default: detected)")
+@click.option("--prefill-gpus", help="GPU indices for P, e.g. 0 or 0,1 (default: first tp_size)")
+@click.option("--decode-gpus", help="GPU indices for D (default: the next tp_size)")
+@click.option("--tp-size", type=click.IntRange(1, 16), default=1, show_default=True)
+@click.option("--protocol", type=click.Choice(["rdma", "tcp"]),
+              help="KV transport (default: rdma when an RDMA port is ACTIVE, else tcp)")
+@click.option("--rdma-device", help="RDMA device (default: the first with an ACTIVE port)")
+@click.option("--gpudirect", type=click.Choice(["peermem", "dmabuf"]),
+              help="GPUDirect path (default: peermem when loaded, else dmabuf when usable)")
+@click.option("--force", is_flag=True, help="overwrite an existing config")
+@click.option("--no-input", is_flag=True, help="never prompt (the default when flags are given)")
+@click.pass_context
+def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
+         model_path: str | None, served_name: str | None, host_name: str | None,
+         host_ip: str | None, prefill_gpus: str | None, decode_gpus: str | None, tp_size: int,
+         protocol: str | None, rdma_device: str | None, gpudirect: str | None, force: bool,
+         no_input: bool) -> None:
+    """Detect this host's GPUs, RDMA devices and address, and write its config."""
+    env = _env(ctx)
+    probe = env.probe
+    out = env.out
+    target = out_path or _config_path(config_path)
+    if target.exists() and not force:
+        raise PdctlError(f"{target} exists (use --force to overwrite it)", USAGE)
+
+    gpus, source = probe.gpus()
+    devices = probe.rdma_devices()
+    active = [d for d in devices if d.active_ports]
+    out.print(f"GPUs: {len(gpus)}" + (f" ({', '.join(f'{g.index}: {g.name}' for g in gpus)}; "
+                                      f"from {source})" if gpus else ""))
+    for d in devices:
+        ports = ", ".join(f"port {p.number} {p.state} {p.rate}".strip() for p in d.ports)
+        out.print(f"RDMA: {d.name} ({ports or 'no ports'})")
+    if not devices:
+        out.print("RDMA: no devices in /sys/class/infiniband")
+
+    interactive = not no_input and sys.stdin.isatty() and model_path is None
+    if model_path is None:
+        if not interactive:
+            raise PdctlError("--model is required (the model directory on this host)", USAGE)
+        model_path = click.prompt("model directory on this host")
+    chosen = next((d for d in devices if d.name == rdma_device), None) if rdma_device else \
+        (active[0] if active else None)
+    if protocol is None:
+        protocol = "rdma" if (rdma_device or active) else "tcp"
+    if gpudirect is None:
+        gpudirect = "dmabuf" if not probe.peermem_loaded() and probe.dmabuf_usable()[0] \
+            else "peermem"
+    if host_ip is None:
+        host_ip = probe.host_ip(chosen.netdevs if chosen else ())
+        if host_ip is None:
+            raise PdctlError("could not detect this host's address; pass --host-ip", USAGE)
+    p = _ints(prefill_gpus) or list(range(tp_size))
+    d = _ints(decode_gpus) or list(range(len(p), len(p) + tp_size))
+    data: dict[str, Any] = {
+        "host": {"ip": host_ip, **({"name": host_name} if host_name else {})},
+        "model": {"path": model_path, "tp_size": tp_size,
+                  **({"served_name": served_name} if served_name else {})},
+        "gpus": {"prefill": p, "decode": d},
+        "transfer": {"protocol": protocol, "gpudirect": gpudirect,
+                     "device": (rdma_device or (chosen.name if chosen else ""))
+                     if protocol == "rdma" else ""},
+    }
+    cfg = parse_config(data)
+    problems = host_problems(cfg, probe)
+    fatal = [p for p in problems if not p.startswith(("model.path", "auth."))]
+    if fatal:
+        raise ConfigError(fatal)
+    for warning in problems:
+        if warning not in fatal:
+            out.print(f"pdctl: warning: {warning}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(to_toml(cfg))
+    except OSError as exc:
+        raise PdctlError(f"cannot write {target}: {exc.strerror or exc}") from None
+    out.print(f"pdctl: wrote {target} (P GPUs {p}, D GPUs {d}, {protocol}"
+              f"{f' via {cfg.transfer.device}' if protocol == 'rdma' else ''}, host {host_ip})")
+    out.print("next: pdctl doctor, then pdctl up")
+
+
+# ---- validate / render ------------------------------------------------------------------
+
+@cli.command()
+@config_option
+@click.option("--skip-host-checks", is_flag=True,
+              help="only check the file (for a config meant for another host)")
+@click.pass_context
+def validate(ctx: click.Context, config_path: Path | None, skip_host_checks: bool) -> None:
+    """Check the host config: every problem on its own line, exit 2 if any."""
+    env = _env(ctx)
+    _cfg, path = _load(config_path, env, not skip_host_checks)
+    env.out.print(f"pdctl: {path}: ok")
+
+
+@cli.command()
+@config_option
+@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False),
+              help="directory to write into (default: the config's directory)")
+@click.option("--skip-host-checks", is_flag=True,
+              help="render a config meant for another host")
+@click.pass_context
+def render(ctx: click.Context, config_path: Path | None, out_dir: Path | None,
+           skip_host_checks: bool) -> None:
+    """Write the compose env file, compose.yaml and the systemd unit."""
+    from appliance.pdctl.render import render as do_render
+
+    env = _env(ctx)
+    cfg, path = _load(config_path, env, not skip_host_checks)
+    written = do_render(cfg, path, out_dir or path.parent)
+    for f in written:
+        env.out.print(f"pdctl: wrote {f}")
+
+
+# ---- up / down / logs -------------------------------------------------------------------
+
+def _local_options(**kw: Any) -> Any:
+    from appliance.pdctl.local import LocalOptions, default_cache_dir, default_run_dir
+
+    return LocalOptions(
+        host=kw["host"], proxy_port=kw["port"], prefill_port=kw["prefill_port"],
+        decode_port=kw["decode_port"], bootstrap_port=kw["bootstrap_port"],
+        model=Path(kw["model"]).resolve() if kw["model"] else None,
+        served_model_name=kw["served_model_name"],
+        run_dir=kw["run_dir"] or default_run_dir(), cache_dir=kw["cache_dir"] or
+        default_cache_dir(), timeout=kw["timeout"] or 600.0)
+
+
+run_dir_option = click.option("--run-dir", type=click.Path(path_type=Path, file_okay=False),
+                              help="--local: state and logs (default ~/.cache/pd-appliance/run "
+                                   "or $PDCTL_RUN_DIR)")
+
+
+@cli.command()
+@config_option
+@click.option("--local", "local", is_flag=True,
+              help="run bootstrap, P, D and the proxy as local processes (CPU build, tiny "
+                   "model, Mooncake over TCP), no containers")
+@click.option("--host", default="127.0.0.1", show_default=True, help="--local: listen address")
+@click.option("--port", default=8000, show_default=True, type=int, help="--local: proxy port")
+@click.option("--prefill-port", default=8010, show_default=True, type=int)
+@click.option("--decode-port", default=8020, show_default=True, type=int)
+@click.option("--bootstrap-port", default=8998, show_default=True, type=int)
+@click.option("--model", type=click.Path(file_okay=False, exists=True),
+              help="--local: a model directory (default: the tiny model, built on first use)")
+@click.option("--served-model-name", help="--local: the model's name in requests")
+@click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="--local: where the tiny model is built (default ~/.cache/pd-appliance)")
+@run_dir_option
+@click.option("--detach", is_flag=True, help="--local: return once healthy, leave it running")
+@click.option("--timeout", type=float, help="seconds to wait for healthy")
+@click.option("--no-wait", is_flag=True, help="compose: do not wait for healthy")
+@click.option("--skip-doctor", is_flag=True, help="compose: start even if host checks fail")
+@click.pass_context
+def up(ctx: click.Context, config_path: Path | None, local: bool, no_wait: bool,
+       skip_doctor: bool, detach: bool, **kw: Any) -> None:
+    """Start the node: docker compose (from the host config) or --local processes."""
+    env = _env(ctx)
+    if local:
+        from appliance.pdctl.local import up_local
+
+        ctx.exit(up_local(_local_options(**kw), env.out, detach=detach))
+    if detach:
+        raise click.UsageError("--detach only applies with --local (compose always detaches)")
+    from appliance.pdctl.compose import compose_up
+    from appliance.pdctl.doctor import run_checks
+    from appliance.pdctl.render import render as do_render
+
+    cfg, path = _load(config_path, env, host_checks=True)
+    if not skip_doctor:
+        failed = [c for c in run_checks(cfg, env.probe) if c.status == "fail"]
+        if failed:
+            raise PdctlError([f"doctor: {c.name}: {c.detail} (fix: {c.fix})" for c in failed]
+                             + ["not starting; fix the above or pass --skip-doctor"])
+    out_dir = path.parent
+    do_render(cfg, path, out_dir)
+    seconds = compose_up(cfg, out_dir, env.runner, env.out, wait=not no_wait,
+                         timeout=kw["timeout"])
+    if not no_wait:
+        env.out.print(f"pdctl: node healthy after {seconds:.1f} s; proxy on "
+                      f"http://{cfg.host.ip}:{cfg.ports.proxy}")
+
+
+@cli.command()
+@config_option
+@click.option("--local", "local", is_flag=True, help="stop the node `up --local` started")
+@run_dir_option
+@click.pass_context
+def down(ctx: click.Context, config_path: Path | None, local: bool,
+         run_dir: Path | None) -> None:
+    """Stop the node (docker compose down, or the --local processes)."""
+    env = _env(ctx)
+    if local:
+        from appliance.pdctl.local import default_run_dir, down_local
+
+        ctx.exit(down_local(run_dir or default_run_dir(), env.out))
+    from appliance.pdctl.compose import compose_down
+
+    cfg, path = _load(config_path, env, host_checks=False)
+    compose_down(cfg, path.parent, env.runner, env.out)
+
+
+@cli.command()
+@click.argument("service", required=False,
+                type=click.Choice(["bootstrap", "prefill", "decode", "proxy"]))
+@config_option
+@click.option("--local", "local", is_flag=True, help="logs of the --local node")
+@run_dir_option
+@click.option("-f", "--follow", is_flag=True, help="keep printing new lines (needs SERVICE)")
+@click.option("--tail", default=100, show_default=True, type=int,
+              help="lines from the end (0: all)")
+@click.pass_context
+def logs(ctx: click.Context, service: str | None, config_path: Path | None, local: bool,
+         run_dir: Path | None, follow: bool, tail: int) -> None:
+    """Print a service's log (every service's when SERVICE is left out)."""
+    from appliance.pdctl.status import SERVICES
+
+    if follow and service is None:
+        raise click.UsageError("--follow needs a SERVICE")
+    names = [service] if service else list(SERVICES)
+    if local:
+        from appliance.pdctl.local import default_run_dir, follow_file
+
+        log_dir = (run_dir or default_run_dir()) / "logs"
+        for name in names:
+            path = log_dir / f"{name}.log"
+            if not path.exists():
+                raise PdctlError(f"no log for {name} in {log_dir} (has `pdctl up --local` run?)")
+            if len(names) > 1:
+                click.echo(f"==> {name} <==")
+            follow_file(path, tail, follow, click.echo)
+        return
+    from appliance.pdctl.dockerapi import DockerApi
+
+    cfg, _path = _load(config_path, _env(ctx), host_checks=False)
+    api = DockerApi.connect()
+    for name in names:
+        if len(names) > 1:
+            click.echo(f"==> {name} <==")
+        for chunk in api.logs(cfg.compose.project, name, tail=tail or "all", follow=follow):
+            click.echo(chunk.decode(errors="replace"), nl=False)
+
+
+# ---- status / doctor --------------------------------------------------------------------
+
+@cli.command()
+@config_option
+@click.option("--local", "local", is_flag=True,
+              help="the --local node (the default when one runs and no --config is given)")
+@run_dir_option
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_context
+def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: Path | None,
+           as_json: bool) -> None:
+    """Every service: up/down, health, engine ids, backends, counters. Exit 1 if unhealthy."""
+    from appliance.pdctl import status as st
+    from appliance.pdctl.local import LocalState, default_run_dir, process_states
+
+    env = _env(ctx)
+    run_dir = run_dir or default_run_dir()
+    state = LocalState.load(run_dir) if (local or config_path is None) else None
+    if local and state is None:
+        raise PdctlError(f"no local node is running (no state in {run_dir})")
+    if state is None and config_path is None and not cfgmod.default_config_path().exists():
+        raise PdctlError(f"no node to report on: no local node (no state in {run_dir}) and no "
+                         f"host config at {cfgmod.default_config_path()}")
+    if state is not None:
+        node = st.gather(state.endpoints_obj(), process_states(state), "local")
+    else:
+        from appliance.pdctl.dockerapi import DockerApi, DockerUnavailable
+
+        cfg, _path = _load(config_path, env, host_checks=False)
+        from appliance.pdctl.render import local_addr
+
+        base = f"http://{local_addr(cfg)}"
+        endpoints = st.Endpoints(bootstrap=f"{base}:{cfg.ports.bootstrap}",
+                                 prefill=f"{base}:{cfg.ports.prefill}",
+                                 decode=f"{base}:{cfg.ports.decode}",
+                                 proxy=f"{base}:{cfg.ports.proxy}",
+                                 prefill_engine_id=cfg.prefill_engine_id)
+        problems: list[str] = []
+        processes: dict[str, st.ProcessState] | None = None
+        try:
+            containers = DockerApi.connect().project(cfg.compose.project)
+            processes = {}
+            for name in st.SERVICES:
+                c = containers.get(name)
+                processes[name] = st.ProcessState("missing", False) if c is None else \
+                    st.ProcessState(c.state, c.ok, c.health or "", c.restarts)
+        except DockerUnavailable as exc:
+            problems.append(f"docker: {exc.lines[0]}")
+        node = st.gather(endpoints, processes, f"compose project {cfg.compose.project}",
+                         problems, api_key=_first_key(cfg))
+    if as_json:
+        click.echo(json.dumps(node.as_dict(), indent=1))
+    else:
+        st.render_table(node, env.out)
+    ctx.exit(0 if node.healthy else RUNTIME)
+
+
+def _first_key(cfg: HostConfig) -> str | None:
+    if not cfg.auth.api_keys_file:
+        return None
+    from appliance.pdctl.render import read_api_keys
+
+    try:
+        keys = read_api_keys(Path(cfg.auth.api_keys_file))
+    except OSError:
+        return None
+    return keys[0] if keys else None
+
+
+@cli.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--skip", "skips", multiple=True, metavar="CHECK",
+              help="leave a check out, e.g. --skip ports (repeatable)")
+@click.pass_context
+def doctor(ctx: click.Context, config_path: Path | None, as_json: bool,
+           skips: tuple[str, ...]) -> None:
+    """Check this host before starting: GPUs, GPUDirect, RDMA, memlock, ports, Docker."""
+    from appliance.pdctl.doctor import Check, run_checks
+
+    env = _env(ctx)
+    path = _config_path(config_path)
+    cfg = load_config(path) if (config_path is not None or path.exists()) else None
+    skip = {s.lower() for s in skips}
+    checks = [Check(c.name, "skip", "--skip") if c.name.lower() in skip else c
+              for c in run_checks(cfg, env.probe)]
+    failed = [c for c in checks if c.status == "fail"]
+    if as_json:
+        click.echo(json.dumps({"config": str(path) if cfg else None, "ok": not failed,
+                               "checks": [c.as_dict() for c in checks]}, indent=1))
+    else:
+        out = env.out
+        if cfg is None:
+            out.print(f"pdctl: no host config at {path}: generic checks only")
+        table = Table(title="host checks" + (f" for {path}" if cfg else ""),
+                      title_justify="left")
+        for col in ("check", "result", "detail"):
+            table.add_column(col, overflow="fold")
+        colors = {"pass": "green", "fail": "red", "skip": "yellow"}
+        for c in checks:
+            detail = c.detail + (f"\n[bold]fix:[/] {c.fix}" if c.fix else "")
+            table.add_row(c.name, f"[{colors[c.status]}]{c.status}[/]", detail)
+        out.print(table)
+        out.print(f"{len(failed)} failed, {sum(c.status == 'pass' for c in checks)} passed, "
+                  f"{sum(c.status == 'skip' for c in checks)} skipped")
+    ctx.exit(RUNTIME if failed else 0)
+
+
+def main() -> None:
+    cli.main(prog_name="pdctl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,389 @@
+"""One TOML file per host: the node's model, GPUs, transport, ports, timeouts and images.
+
+Structural problems come from pydantic, cross-field ones from `HostConfig.problems()`, and
+problems that need the host (a GPU index or RDMA device that does not exist) from
+`host_problems()`. Each problem is one line: `<field>: <what is wrong>`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from appliance.pdctl.errors import ConfigError
+from appliance.pdctl.host import HostProbe
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+DEFAULT_CONFIG = Path("/etc/pd-appliance/host.toml")
+CONFIG_ENV = "PDCTL_CONFIG"
+VERSION_TAG = "0.1.0"
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_UNSAFE = re.compile(r"[\s'\"$`\\]")
+# vLLM flags pdctl sets itself; in extra_args they would silently fight the config.
+MANAGED_FLAGS = {
+    "--host": "compose.bind", "--port": "ports.prefill / ports.decode",
+    "--kv-transfer-config": "transfer", "--tensor-parallel-size": "model.tp_size",
+    "-tp": "model.tp_size", "--block-size": "model.block_size",
+    "--served-model-name": "model.served_name", "--max-model-len": "model.max_model_len",
+    "--gpu-memory-utilization": "model.gpu_memory_utilization",
+}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _safe_path(value: str, what: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"{what} must be an absolute path")
+    if _UNSAFE.search(value):
+        raise ValueError(f"{what} must not contain spaces, quotes, '$' or backslashes")
+    return value.rstrip("/") or "/"
+
+
+class HostSection(_Section):
+    name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
+    ip: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("ip")
+    @classmethod
+    def _ip(cls, v: str) -> str:
+        try:
+            addr = ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address") from None
+        if addr.is_unspecified:
+            raise ValueError("must be the address peers reach this host at, not 0.0.0.0")
+        return str(addr)
+
+
+class ModelSection(_Section):
+    path: str
+    served_name: str | None = None
+    tp_size: int = Field(1, ge=1, le=16)
+    block_size: Literal[16, 32, 64, 128] = 16
+    max_model_len: int | None = Field(None, ge=16)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    extra_args: list[str] = Field(default_factory=list)
+    prefill_extra_args: list[str] = Field(default_factory=list)
+    decode_extra_args: list[str] = Field(default_factory=list)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _safe_path(v, "the model directory")
+
+    @field_validator("served_name")
+    @classmethod
+    def _served(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$", v):
+            raise ValueError("must be letters, digits and . _ / : -")
+        return v
+
+    @field_validator("extra_args", "prefill_extra_args", "decode_extra_args")
+    @classmethod
+    def _extra(cls, v: list[str]) -> list[str]:
+        for arg in v:
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_FLAGS:
+                raise ValueError(f"{flag} is set by pdctl (use {MANAGED_FLAGS[flag]})")
+        return v
+
+    @property
+    def name(self) -> str:
+        return self.served_name or Path(self.path).name
+
+
+class GpusSection(_Section):
+    prefill: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0], min_length=1)
+    decode: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [1], min_length=1)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _unique(cls, v: list[int]) -> list[int]:
+        dup = sorted({i for i in v if v.count(i) > 1})
+        if dup:
+            raise ValueError(f"GPU {dup[0]} is listed twice")
+        return v
+
+
+class TransferSection(_Section):
+    # Set explicitly: "rdma" on GPU hosts with RDMA NICs, "tcp" anywhere else.
+    protocol: Literal["rdma", "tcp"] = "rdma"
+    device: str = ""
+    # How the NIC reaches GPU memory: the nvidia_peermem module, or DMA-BUF (open modules).
+    gpudirect: Literal["peermem", "dmabuf"] = "peermem"
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v and not _NAME.match(v):
+            raise ValueError(f"{v!r} is not an RDMA device name (e.g. mlx5_0)")
+        return v
+
+
+class PortsSection(_Section):
+    proxy: Port = 8000
+    prefill: Port = 8010
+    decode: Port = 8020
+    bootstrap: Port = 8998
+
+
+class TimeoutsSection(_Section):
+    # How long `pdctl up` waits for every service to be healthy (first start loads weights).
+    startup_s: float = Field(900.0, gt=0)
+    prefill_s: float = Field(120.0, gt=0)
+    decode_read_s: float = Field(300.0, gt=0)
+    kv_recv_s: float = Field(60.0, gt=0)
+    kv_send_s: float = Field(120.0, gt=0)
+    bootstrap_ttl_s: float = Field(30.0, ge=0)
+
+
+class AuthSection(_Section):
+    # One key per line; the proxy then requires `Authorization: Bearer <key>` on /v1/*.
+    api_keys_file: str | None = None
+    # Shared token the prefill workers present to the bootstrap sidecar.
+    bootstrap_token_file: str | None = None
+
+    @field_validator("api_keys_file", "bootstrap_token_file")
+    @classmethod
+    def _file(cls, v: str | None) -> str | None:
+        return None if v is None else _safe_path(v, "the file")
+
+
+class ImagesSection(_Section):
+    vllm: str = f"pd-appliance/vllm:{VERSION_TAG}"
+    slim: str = f"pd-appliance/slim:{VERSION_TAG}"
+
+    @field_validator("vllm", "slim")
+    @classmethod
+    def _ref(cls, v: str) -> str:
+        if not re.match(r"^[a-z0-9][a-z0-9._/:@-]*$", v):
+            raise ValueError(f"{v!r} is not an image reference")
+        return v
+
+
+class ComposeSection(_Section):
+    project: str = "pd-appliance"
+    shm_size: str = "16g"
+    bind: str = "0.0.0.0"
+    restart: Literal["unless-stopped", "always", "on-failure", "no"] = "unless-stopped"
+
+    @field_validator("project")
+    @classmethod
+    def _project(cls, v: str) -> str:
+        if not re.match(r"^[a-z0-9][a-z0-9_-]*$", v):
+            raise ValueError("must be lowercase letters, digits, '_' or '-'")
+        return v
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm(cls, v: str) -> str:
+        if not re.match(r"^[1-9][0-9]*[bkmg]?$", v.lower()):
+            raise ValueError(f"{v!r} is not a size (e.g. 16g)")
+        return v.lower()
+
+    @field_validator("bind")
+    @classmethod
+    def _bind(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_address(v))
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address") from None
+
+
+class HostConfig(_Section):
+    host: HostSection
+    model: ModelSection
+    gpus: GpusSection = Field(default_factory=GpusSection)
+    transfer: TransferSection = Field(default_factory=TransferSection)
+    ports: PortsSection = Field(default_factory=PortsSection)
+    timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
+    auth: AuthSection = Field(default_factory=AuthSection)
+    images: ImagesSection = Field(default_factory=ImagesSection)
+    compose: ComposeSection = Field(default_factory=ComposeSection)
+
+    @property
+    def prefill_engine_id(self) -> str:
+        return f"{self.host.name}-prefill"
+
+    @property
+    def decode_engine_id(self) -> str:
+        return f"{self.host.name}-decode"
+
+    def problems(self) -> list[str]:
+        """Cross-field problems, one line each."""
+        out = []
+        ports = self.ports.model_dump()
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                out.append(f"ports.{name}: {port} is also ports.{seen[port]}")
+            else:
+                seen[port] = name
+        for gpu in self.gpus.prefill:
+            if gpu in self.gpus.decode:
+                out.append(f"gpus.decode: GPU {gpu} is also in gpus.prefill (P and D need "
+                           f"GPUs of their own)")
+        for role in ("prefill", "decode"):
+            n = len(getattr(self.gpus, role))
+            if n != self.model.tp_size:
+                out.append(f"gpus.{role}: {n} GPU{'s' if n != 1 else ''} for model.tp_size "
+                           f"{self.model.tp_size} (give exactly tp_size GPUs)")
+        if self.compose.bind not in ("0.0.0.0", "127.0.0.1", self.host.ip):
+            out.append(f"compose.bind: {self.compose.bind} must be 0.0.0.0, 127.0.0.1 or "
+                       f"host.ip ({self.host.ip})")
+        if self.transfer.protocol == "rdma" and not self.transfer.device:
+            out.append("transfer.device: required when transfer.protocol is rdma (e.g. mlx5_0; "
+                       "`pdctl init` lists this host's devices)")
+        return out
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+def default_config_path() -> Path:
+    return Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
+
+
+def format_errors(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"{loc}: unknown key")
+        elif kind == "missing":
+            lines.append(f"{loc}: required")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            got = err.get("input")
+            shown = "" if kind == "value_error" or isinstance(got, (dict, list)) \
+                else f" (got {got!r})"
+            lines.append(f"{loc}: {msg}{shown}")
+    return lines
+
+
+def parse_config(data: dict[str, Any]) -> HostConfig:
+    """Validate a config mapping; ConfigError lists every problem, one per line."""
+    try:
+        cfg = HostConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc)) from None
+    problems = cfg.problems()
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def load_config(path: Path) -> HostConfig:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (write one with `pdctl init`)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    try:
+        return parse_config(data)
+    except ConfigError as exc:
+        raise ConfigError([f"{path}: {line}" for line in exc.lines]) from None
+
+
+def host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:
+    """Problems that only this host can show: missing GPUs, devices, files."""
+    out = []
+    gpus, _source = probe.gpus()
+    if not gpus:
+        out.append("gpus: no NVIDIA GPU found on this host (nvidia-smi, /proc/driver/nvidia)")
+    else:
+        have = {g.index for g in gpus}
+        found = ", ".join(str(i) for i in sorted(have))
+        for role in ("prefill", "decode"):
+            for idx in getattr(cfg.gpus, role):
+                if idx not in have:
+                    out.append(f"gpus.{role}: GPU {idx} does not exist on this host "
+                               f"(GPUs: {found})")
+    if cfg.transfer.protocol == "rdma" and cfg.transfer.device:
+        devices = probe.rdma_devices()
+        if not any(d.name == cfg.transfer.device for d in devices):
+            known = ", ".join(d.name for d in devices) or "none in /sys/class/infiniband"
+            out.append(f"transfer.device: unknown RDMA device {cfg.transfer.device!r} "
+                       f"(this host has: {known})")
+    model_dir = probe.path(cfg.model.path)
+    if not model_dir.is_dir():
+        out.append(f"model.path: {cfg.model.path} does not exist on this host (download the "
+                   f"model there first)")
+    elif not (model_dir / "config.json").is_file():
+        out.append(f"model.path: {cfg.model.path} has no config.json (not a model directory)")
+    for key in ("api_keys_file", "bootstrap_token_file"):
+        value = getattr(cfg.auth, key)
+        if value and not _nonempty(Path(value)):  # pdctl's own files: not under the root
+            out.append(f"auth.{key}: {value} is missing or empty")
+    return out
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return bool(path.read_text().strip())
+    except OSError:
+        return False
+
+
+# ---- writing ----------------------------------------------------------------------------
+
+_HEADER = """\
+# pd-appliance host config: one file per host (written by `pdctl init`).
+# Check it with `pdctl doctor`; `pdctl render` turns it into what compose and systemd read.
+"""
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # strings and lists of strings/ints: JSON's syntax is TOML's
+
+
+# Written even when they equal the default: the keys an operator looks for first.
+_ALWAYS = {"host": ("name", "ip"), "model": ("path",), "gpus": ("prefill", "decode"),
+           "transfer": ("protocol", "device", "gpudirect"),
+           "ports": ("proxy", "prefill", "decode", "bootstrap")}
+
+
+def to_toml(cfg: HostConfig) -> str:
+    """The config as TOML: the main keys, plus every other key that differs from its default."""
+    full = cfg.model_dump(exclude_none=True)
+    changed = cfg.model_dump(exclude_defaults=True, exclude_none=True)
+    lines = [_HEADER]
+    for section in HostConfig.model_fields:
+        keys = [k for k in full[section]
+                if k in _ALWAYS.get(section, ()) or k in changed.get(section, {})]
+        if not keys:
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(full[section][key])}" for key in keys]
+        lines.append("")
+    return "\n".join(lines)

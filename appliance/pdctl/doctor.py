@@ -1,0 +1,214 @@
+"""Host preflight: every check says pass, fail or skip, and on failure how to fix it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from appliance.pdctl.config import HostConfig, PortsSection
+from appliance.pdctl.host import HostProbe, Memlock
+
+Status = Literal["pass", "fail", "skip"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def _pass(name: str, detail: str) -> Check:
+    return Check(name, "pass", detail)
+
+
+def _fail(name: str, detail: str, fix: str) -> Check:
+    return Check(name, "fail", detail, fix)
+
+
+def _skip(name: str, detail: str) -> Check:
+    return Check(name, "skip", detail)
+
+
+def _ranges(values: list[int]) -> str:
+    return ", ".join(map(str, values)) or "none"
+
+
+def check_gpus(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
+    gpus, source = probe.gpus()
+    if not gpus:
+        return [_fail("GPUs", "no NVIDIA GPU found (nvidia-smi, /proc/driver/nvidia/gpus)",
+                      "install the NVIDIA driver; `nvidia-smi` must list the GPUs"),
+                _skip("GPU indices", "no GPUs")]
+    names = sorted({g.name for g in gpus})
+    out = [_pass("GPUs", f"{len(gpus)} × {' / '.join(names)} (from {source})")]
+    if cfg is None:
+        return out + [_skip("GPU indices", "no host config")]
+    have = {g.index for g in gpus}
+    missing = [f"GPU {i} (gpus.{role})" for role in ("prefill", "decode")
+               for i in getattr(cfg.gpus, role) if i not in have]
+    if missing:
+        out.append(_fail("GPU indices", f"{', '.join(missing)} does not exist; this host has "
+                         f"GPUs {_ranges(sorted(have))}",
+                         "set gpus.prefill and gpus.decode to indices nvidia-smi lists"))
+    else:
+        out.append(_pass("GPU indices", f"prefill {_ranges(cfg.gpus.prefill)}, decode "
+                         f"{_ranges(cfg.gpus.decode)}"))
+    return out
+
+
+def check_rdma(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
+    names = ("RDMA device", "RDMA port", "/dev/infiniband", "GPUDirect RDMA")
+    if cfg is not None and cfg.transfer.protocol == "tcp":
+        return [_skip(n, "transfer.protocol is tcp") for n in names]
+    devices = probe.rdma_devices()
+    out: list[Check] = []
+    wanted = cfg.transfer.device if cfg is not None else ""
+    if not devices:
+        out.append(_fail("RDMA device", "no RDMA device in /sys/class/infiniband",
+                         "install the NIC driver and rdma-core (mlx5_core, mlx5_ib), or set "
+                         "transfer.protocol = \"tcp\""))
+        dev = None
+    elif wanted:
+        dev = next((d for d in devices if d.name == wanted), None)
+        if dev is None:
+            out.append(_fail("RDMA device", f"{wanted} not found (this host has: "
+                             f"{', '.join(d.name for d in devices)})",
+                             "set transfer.device to one of them (`ibv_devinfo -l` lists them)"))
+        else:
+            out.append(_pass("RDMA device", _describe_device(dev)))
+    else:
+        dev = next((d for d in devices if d.active_ports), devices[0])
+        out.append(_pass("RDMA device", f"{_describe_device(dev)} (no transfer.device "
+                         f"configured; first with an ACTIVE port)"))
+    if dev is None:
+        out.append(_skip("RDMA port", "no RDMA device"))
+    elif dev.active_ports:
+        p = dev.active_ports[0]
+        out.append(_pass("RDMA port", f"{dev.name} port {p.number} ACTIVE, "
+                         f"{p.rate or 'rate unknown'}"))
+    else:
+        states = ", ".join(f"port {p.number} {p.state}" for p in dev.ports) or "no ports"
+        out.append(_fail("RDMA port", f"{dev.name}: {states}",
+                         f"check the cable, the switch and (InfiniBand) the subnet manager; "
+                         f"`ibstat {dev.name}` shows the link"))
+    nodes = probe.infiniband_dev_nodes()
+    if any(n.startswith("uverbs") for n in nodes):
+        out.append(_pass("/dev/infiniband", ", ".join(nodes)))
+    else:
+        out.append(_fail("/dev/infiniband", "missing" if not nodes else
+                         f"no uverbs device ({', '.join(nodes)})",
+                         "modprobe ib_uverbs rdma_ucm (the verbs device nodes come from them)"))
+    out.append(check_gpudirect(cfg, probe))
+    return out
+
+
+def _describe_device(dev) -> str:  # noqa: ANN001 - RdmaDevice
+    layer = next((p.link_layer for p in dev.ports if p.link_layer), "")
+    extra = [x for x in (layer, ", ".join(dev.netdevs)) if x]
+    return f"{dev.name}" + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def check_gpudirect(cfg: HostConfig | None, probe: HostProbe) -> Check:
+    name = "GPUDirect RDMA"
+    mode = cfg.transfer.gpudirect if cfg is not None else None
+    peermem = probe.peermem_loaded()
+    dmabuf, why = probe.dmabuf_usable()
+    if mode in (None, "peermem") and peermem:
+        return _pass(name, "nvidia_peermem loaded")
+    if mode in (None, "dmabuf") and dmabuf:
+        return _pass(name, f"DMA-BUF usable ({why})")
+    if mode == "dmabuf":
+        return _fail(name, f"DMA-BUF not usable: {why}",
+                     "install the NVIDIA open kernel modules (driver >= 515, Linux >= 5.12), or "
+                     "set transfer.gpudirect = \"peermem\" and load nvidia_peermem")
+    alt = " or set transfer.gpudirect = \"dmabuf\" (usable here)" if dmabuf else ""
+    return _fail(name, "nvidia_peermem is not loaded: memory registration would fail with "
+                 "\"Bad address\"",
+                 "modprobe nvidia_peermem, and keep it across reboots with "
+                 "/etc/modules-load.d/nvidia-peermem.conf (install.sh --gpu --systemd writes "
+                 f"it){alt}")
+
+
+def check_memlock(cfg: HostConfig | None, probe: HostProbe) -> Check:
+    name = "memlock"
+    if cfg is not None and cfg.transfer.protocol == "tcp":
+        return _skip(name, "transfer.protocol is tcp (nothing is pinned for RDMA)")
+    limit = probe.memlock()
+    if limit is None:
+        return _skip(name, "cannot read /proc/self/limits")
+    if limit.unlimited:
+        return _pass(name, "unlimited")
+    return _fail(name, f"soft {Memlock.describe(limit.soft)}, hard "
+                 f"{Memlock.describe(limit.hard)} (RDMA pins the whole KV cache)",
+                 "set `* - memlock unlimited` in /etc/security/limits.conf (or "
+                 "LimitMEMLOCK=infinity for dockerd); the compose services set it themselves")
+
+
+def check_ports(cfg: HostConfig | None, probe: HostProbe) -> Check:
+    name = "ports"
+    ports = (cfg.ports if cfg is not None else PortsSection()).model_dump()
+    listening = probe.listening_ports()
+    if listening is None:
+        return _skip(name, "cannot read /proc/net/tcp")
+    busy = [f"{port} ({role})" for role, port in ports.items() if port in listening]
+    if busy:
+        return _fail(name, f"in use: {', '.join(busy)}",
+                     "stop what listens there (`ss -ltnp` shows it; `pdctl down` if it is a "
+                     "running node) or change [ports] in the host config")
+    return _pass(name, "free: " + ", ".join(f"{p} ({r})" for r, p in ports.items()))
+
+
+def check_docker(probe: HostProbe) -> list[Check]:
+    version, why = probe.docker_server_version()
+    if version is None:
+        if "not found" in why:
+            fix = "install Docker Engine (docker-ce) and the compose plugin"
+            return [_fail("docker", why, fix), _skip("docker compose", "no docker CLI"),
+                    _skip("NVIDIA container runtime", "no docker CLI")]
+        daemon = _fail("docker", f"daemon not reachable: {why}",
+                       "systemctl start docker (and add this user to the docker group)")
+    else:
+        daemon = _pass("docker", f"Engine {version}")
+    out = [daemon]
+    compose, why = probe.compose_version()
+    out.append(_pass("docker compose", f"v{compose.lstrip('v')}") if compose else
+               _fail("docker compose", why or "not installed",
+                     "install the Compose v2 plugin (docker-compose-plugin)"))
+    if version is None:
+        out.append(_skip("NVIDIA container runtime", "docker daemon not reachable"))
+        return out
+    runtimes, why = probe.docker_runtimes()
+    if runtimes is None:
+        out.append(_fail("NVIDIA container runtime", why, "check `docker info`"))
+    elif "nvidia" in runtimes:
+        out.append(_pass("NVIDIA container runtime", f"runtimes: {', '.join(runtimes)}"))
+    else:
+        out.append(_fail("NVIDIA container runtime", f"not registered (runtimes: "
+                         f"{', '.join(runtimes) or 'none'})",
+                         "install nvidia-container-toolkit, then `nvidia-ctk runtime configure "
+                         "--runtime=docker && systemctl restart docker`"))
+    return out
+
+
+def check_model(cfg: HostConfig | None, probe: HostProbe) -> Check:
+    if cfg is None:
+        return _skip("model", "no host config")
+    path = probe.path(cfg.model.path)
+    if not path.is_dir():
+        return _fail("model", f"{cfg.model.path} does not exist",
+                     f"download it there, e.g. `huggingface-cli download <repo> --local-dir "
+                     f"{cfg.model.path}`")
+    if not (path / "config.json").is_file():
+        return _fail("model", f"{cfg.model.path} has no config.json",
+                     "point model.path at a Hugging Face model directory")
+    return _pass("model", cfg.model.path)
+
+
+def run_checks(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
+    return [*check_gpus(cfg, probe), *check_rdma(cfg, probe), check_memlock(cfg, probe),
+            check_ports(cfg, probe), check_model(cfg, probe), *check_docker(probe)]

@@ -1,0 +1,251 @@
+"""Read-only probes of the host: GPUs, RDMA devices, GPUDirect, memlock, ports, Docker.
+
+Every file read goes through `root` (so /sys, /proc and /dev can be a fake tree in tests)
+and every command through `runner` (nvidia-smi, ip, docker).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.pdctl.runner import Runner, SubprocessRunner
+
+UNLIMITED = -1
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    bus_id: str = ""
+    memory_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class RdmaPort:
+    number: int
+    state: str  # "ACTIVE", "DOWN", "INIT", ...
+    rate: str = ""  # "200 Gb/sec (4X HDR)"
+    link_layer: str = ""  # "InfiniBand" | "Ethernet"
+
+    @property
+    def active(self) -> bool:
+        return self.state == "ACTIVE"
+
+
+@dataclass(frozen=True)
+class RdmaDevice:
+    name: str
+    ports: tuple[RdmaPort, ...] = ()
+    netdevs: tuple[str, ...] = ()
+
+    @property
+    def active_ports(self) -> list[RdmaPort]:
+        return [p for p in self.ports if p.active]
+
+
+@dataclass(frozen=True)
+class Memlock:
+    soft: int  # bytes, or UNLIMITED
+    hard: int
+
+    @property
+    def unlimited(self) -> bool:
+        return self.soft == UNLIMITED and self.hard == UNLIMITED
+
+    @staticmethod
+    def describe(value: int) -> str:
+        return "unlimited" if value == UNLIMITED else f"{value // 1024} KiB"
+
+
+@dataclass
+class HostProbe:
+    root: Path = Path("/")
+    runner: Runner = field(default_factory=SubprocessRunner)
+
+    def path(self, absolute: str) -> Path:
+        return self.root / absolute.lstrip("/")
+
+    def read(self, absolute: str) -> str | None:
+        try:
+            return self.path(absolute).read_text(errors="replace")
+        except OSError:
+            return None
+
+    # ---- GPUs ---------------------------------------------------------------------------
+
+    def gpus(self) -> tuple[list[Gpu], str]:
+        """The NVIDIA GPUs, in nvidia-smi's index order, and where they were found."""
+        res = self.runner.run(["nvidia-smi", "--query-gpu=index,name,pci.bus_id,memory.total",
+                               "--format=csv,noheader,nounits"])
+        if res.ok:
+            gpus = []
+            for line in res.stdout.splitlines():
+                cols = [c.strip() for c in line.split(",")]
+                if len(cols) >= 2 and cols[0].isdigit():
+                    mem = int(cols[3]) if len(cols) > 3 and cols[3].isdigit() else None
+                    gpus.append(Gpu(int(cols[0]), cols[1], cols[2] if len(cols) > 2 else "",
+                                    mem))
+            return sorted(gpus, key=lambda g: g.index), "nvidia-smi"
+        # Without nvidia-smi (e.g. no utilities installed) the driver lists its GPUs in
+        # /proc; nvidia-smi numbers them in PCI bus order, and so do we.
+        base = self.path("/proc/driver/nvidia/gpus")
+        if not base.is_dir():
+            return [], "none"
+        gpus = []
+        for i, bus in enumerate(sorted(p.name for p in base.iterdir())):
+            info = self.read(f"/proc/driver/nvidia/gpus/{bus}/information") or ""
+            m = re.search(r"^Model:\s*(.+)$", info, re.MULTILINE)
+            gpus.append(Gpu(i, m.group(1).strip() if m else "NVIDIA GPU", bus))
+        return gpus, "/proc/driver/nvidia"
+
+    def driver_version(self) -> str | None:
+        text = self.read("/proc/driver/nvidia/version")
+        return text.splitlines()[0].strip() if text else None
+
+    # ---- RDMA ---------------------------------------------------------------------------
+
+    def rdma_devices(self) -> list[RdmaDevice]:
+        base = self.path("/sys/class/infiniband")
+        if not base.is_dir():
+            return []
+        devices = []
+        for dev in sorted(base.iterdir(), key=lambda p: p.name):
+            ports = []
+            ports_dir = dev / "ports"
+            if ports_dir.is_dir():
+                for port in sorted(ports_dir.iterdir(), key=lambda p: p.name):
+                    if not port.name.isdigit():
+                        continue
+                    ports.append(RdmaPort(int(port.name), _port_state(_text(port / "state")),
+                                          _text(port / "rate"), _text(port / "link_layer")))
+            net = dev / "device" / "net"
+            netdevs = tuple(sorted(p.name for p in net.iterdir())) if net.is_dir() else ()
+            devices.append(RdmaDevice(dev.name, tuple(ports), netdevs))
+        return devices
+
+    def rdma_device(self, name: str) -> RdmaDevice | None:
+        return next((d for d in self.rdma_devices() if d.name == name), None)
+
+    def infiniband_dev_nodes(self) -> list[str]:
+        base = self.path("/dev/infiniband")
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir())
+
+    # ---- GPUDirect ----------------------------------------------------------------------
+
+    def peermem_loaded(self) -> bool:
+        return self.path("/sys/module/nvidia_peermem").is_dir()
+
+    def dmabuf_usable(self) -> tuple[bool, str]:
+        """DMA-BUF GPUDirect needs NVIDIA's open kernel modules and Linux >= 5.12."""
+        version = self.driver_version()
+        if version is None:
+            return False, "no NVIDIA driver (/proc/driver/nvidia/version)"
+        if "Open Kernel Module" not in version:
+            return False, "the NVIDIA driver is the proprietary kernel module (DMA-BUF needs " \
+                          "the open kernel modules)"
+        release = (self.read("/proc/sys/kernel/osrelease") or "").strip()
+        m = re.match(r"(\d+)\.(\d+)", release)
+        if not m or (int(m.group(1)), int(m.group(2))) < (5, 12):
+            return False, f"kernel {release or 'unknown'} is older than 5.12"
+        return True, f"open kernel modules, kernel {release}"
+
+    # ---- limits and ports ---------------------------------------------------------------
+
+    def memlock(self) -> Memlock | None:
+        text = self.read("/proc/self/limits")
+        if text is None:
+            return None
+        for line in text.splitlines():
+            if line.startswith("Max locked memory"):
+                cols = line[len("Max locked memory"):].split()
+                if len(cols) >= 2:
+                    return Memlock(_limit(cols[0]), _limit(cols[1]))
+        return None
+
+    def listening_ports(self) -> set[int] | None:
+        """TCP ports something listens on (IPv4 and IPv6); None when /proc/net is unreadable."""
+        found: set[int] = set()
+        readable = False
+        for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+            text = self.read(name)
+            if text is None:
+                continue
+            readable = True
+            for line in text.splitlines()[1:]:
+                cols = line.split()
+                if len(cols) > 3 and cols[3] == "0A":  # TCP_LISTEN
+                    found.add(int(cols[1].rsplit(":", 1)[1], 16))
+        return found if readable else None
+
+    # ---- addresses ----------------------------------------------------------------------
+
+    def host_ip(self, prefer_netdevs: tuple[str, ...] = ()) -> str | None:
+        """The address peers reach this host at: the RDMA NIC's, else the primary one."""
+        res = self.runner.run(["ip", "-j", "-4", "addr", "show"])
+        if res.ok:
+            try:
+                ifaces = json.loads(res.stdout or "[]")
+            except ValueError:
+                ifaces = []
+            addrs: dict[str, str] = {}
+            for iface in ifaces:
+                for info in iface.get("addr_info", []):
+                    if info.get("scope") == "global" and info.get("local"):
+                        addrs.setdefault(iface.get("ifname", ""), info["local"])
+            for dev in prefer_netdevs:
+                if dev in addrs:
+                    return addrs[dev]
+            if addrs:
+                return next(iter(addrs.values()))
+        try:  # no packet is sent: connect() on UDP only picks the route's source address
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect(("192.0.2.1", 9))
+                return s.getsockname()[0]
+        except OSError:
+            return None
+
+    # ---- Docker -------------------------------------------------------------------------
+
+    def docker_server_version(self) -> tuple[str | None, str]:
+        res = self.runner.run(["docker", "version", "--format", "{{.Server.Version}}"])
+        if res.ok and res.stdout.strip():
+            return res.stdout.strip(), ""
+        return None, "docker CLI not found" if res.missing else res.reason()
+
+    def compose_version(self) -> tuple[str | None, str]:
+        res = self.runner.run(["docker", "compose", "version", "--short"])
+        if res.ok and res.stdout.strip():
+            return res.stdout.strip(), ""
+        return None, res.reason()
+
+    def docker_runtimes(self) -> tuple[list[str] | None, str]:
+        res = self.runner.run(["docker", "info", "--format", "{{json .Runtimes}}"])
+        if not res.ok:
+            return None, res.reason()
+        try:
+            return sorted(json.loads(res.stdout or "{}")), ""
+        except ValueError:
+            return None, f"unreadable output of docker info: {res.stdout[:80]!r}"
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _port_state(raw: str) -> str:
+    # sysfs says e.g. "4: ACTIVE"
+    return raw.split(":", 1)[-1].strip() if raw else "UNKNOWN"
+
+
+def _limit(raw: str) -> int:
+    return UNLIMITED if raw == "unlimited" else int(raw)

@@ -1,0 +1,196 @@
+"""What compose and systemd read: the env file, a copy of compose.yaml, the unit, and the
+proxy's key file when API keys are configured."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import appliance
+from appliance.pdctl.config import HostConfig
+from appliance.pdctl.errors import ConfigError, PdctlError
+
+DEFAULT_DIR = Path("/etc/pd-appliance")
+ENV_FILE = "pd-appliance.env"
+COMPOSE_FILE = "compose.yaml"
+UNIT_FILE = "pd-appliance.service"
+PROXY_FILE = "proxy.toml"
+PDCTL_BIN = "/usr/local/bin/pdctl"  # install.sh --systemd links the venv's pdctl here
+DOCKER_BIN = "/usr/bin/docker"
+
+
+def repo_file(name: str) -> Path:
+    """A file shipped at the top of the source tree (compose.yaml, config/...)."""
+    path = Path(appliance.__file__).resolve().parent.parent / name
+    if not path.exists():
+        raise PdctlError(f"{name} not found at {path} (pdctl runs from the source checkout "
+                         f"install.sh set up)")
+    return path
+
+
+def local_addr(cfg: HostConfig) -> str:
+    """Where the node's services reach each other."""
+    return "127.0.0.1" if cfg.compose.bind == "0.0.0.0" else cfg.compose.bind
+
+
+def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
+    m, p, t = cfg.model, cfg.ports, cfg.timeouts
+    common = list(m.extra_args)
+    if m.max_model_len:
+        common = ["--max-model-len", str(m.max_model_len), *common]
+    token = cfg.auth.bootstrap_token_file or ""
+    proxy_args = ["--config", str(out_dir / PROXY_FILE)] if cfg.auth.api_keys_file else []
+    return {
+        "PD_PROJECT": cfg.compose.project,
+        "PD_VLLM_IMAGE": cfg.images.vllm,
+        "PD_SLIM_IMAGE": cfg.images.slim,
+        "PD_RESTART": cfg.compose.restart,
+        "PD_SHM_SIZE": cfg.compose.shm_size,
+        "PD_CONFIG_DIR": str(out_dir),
+        "PD_HOST_IP": cfg.host.ip,
+        "PD_BIND": cfg.compose.bind,
+        "PD_LOCAL_ADDR": local_addr(cfg),
+        "PD_MODEL": m.path,
+        "PD_SERVED_MODEL_NAME": m.name,
+        "PD_TP_SIZE": str(m.tp_size),
+        "PD_BLOCK_SIZE": str(m.block_size),
+        "PD_GPU_MEMORY_UTILIZATION": str(m.gpu_memory_utilization),
+        "PD_PREFILL_GPUS": ",".join(map(str, cfg.gpus.prefill)),
+        "PD_DECODE_GPUS": ",".join(map(str, cfg.gpus.decode)),
+        "PD_PROXY_PORT": str(p.proxy),
+        "PD_PREFILL_PORT": str(p.prefill),
+        "PD_DECODE_PORT": str(p.decode),
+        "PD_BOOTSTRAP_PORT": str(p.bootstrap),
+        "PD_PREFILL_ENGINE_ID": cfg.prefill_engine_id,
+        "PD_DECODE_ENGINE_ID": cfg.decode_engine_id,
+        "PD_PROTOCOL": cfg.transfer.protocol,
+        "PD_RDMA_DEVICE": cfg.transfer.device if cfg.transfer.protocol == "rdma" else "",
+        "PD_GPUDIRECT": cfg.transfer.gpudirect,
+        "PD_INFINIBAND": "/dev/infiniband" if cfg.transfer.protocol == "rdma" else "/dev/null",
+        "PD_KV_SEND_TIMEOUT": _num(t.kv_send_s),
+        "PD_KV_RECV_TIMEOUT": _num(t.kv_recv_s),
+        "PD_BOOTSTRAP_TTL": _num(t.bootstrap_ttl_s),
+        "PD_BOOTSTRAP_TOKEN_FILE": token,
+        "PD_BOOTSTRAP_ARGS": shlex.join(["--token-file", token]) if token else "",
+        "PD_PREFILL_TIMEOUT": _num(t.prefill_s),
+        "PD_DECODE_READ_TIMEOUT": _num(t.decode_read_s),
+        "PD_VLLM_START_PERIOD": f"{int(t.startup_s)}s",
+        "PD_PREFILL_ARGS": shlex.join([*common, *m.prefill_extra_args]),
+        "PD_DECODE_ARGS": shlex.join([*common, *m.decode_extra_args]),
+        "PD_PROXY_ARGS": shlex.join(proxy_args),
+    }
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _env_quote(value: str) -> str:
+    """Compose's dotenv: single quotes are literal; double quotes take \\ escapes."""
+    if "'" not in value and "\n" not in value:
+        return f"'{value}'"
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+    return f'"{escaped}"'
+
+
+def env_file_text(cfg: HostConfig, out_dir: Path, source: Path | None = None) -> str:
+    head = [f"# Written by `pdctl render`{f' from {source}' if source else ''}: edit the host "
+            f"config, not this file.",
+            f"# docker compose --env-file {out_dir / ENV_FILE} -f {out_dir / COMPOSE_FILE} up -d"]
+    body = [f"{k}={_env_quote(v)}" for k, v in env_values(cfg, out_dir).items()]
+    return "\n".join(head + body) + "\n"
+
+
+def compose_argv(cfg: HostConfig, out_dir: Path, docker: str = "docker") -> list[str]:
+    return [docker, "compose", "--project-name", cfg.compose.project,
+            "--env-file", str(out_dir / ENV_FILE), "--file", str(out_dir / COMPOSE_FILE)]
+
+
+def unit_text(cfg: HostConfig, out_dir: Path, config_path: Path) -> str:
+    compose = " ".join(compose_argv(cfg, out_dir, DOCKER_BIN))
+    startup = int(cfg.timeouts.startup_s)
+    return f"""\
+# pd-appliance: this host's 1P1D node (bootstrap, vLLM P and D, proxy) through docker compose.
+# Written by `pdctl render`; install.sh --systemd installs it with the nvidia_peermem
+# modules-load entry. Start: systemctl enable --now pd-appliance
+[Unit]
+Description=pd-appliance 1P1D vLLM node (docker compose)
+Requires=docker.service
+After=docker.service network-online.target
+Wants=network-online.target
+ConditionPathExists={out_dir / ENV_FILE}
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+WorkingDirectory={out_dir}
+# Host preflight (GPUs, GPUDirect, RDMA port, memlock, NVIDIA runtime): fail here, with the
+# reason in the journal, rather than at the first request. Not the ports: after a reboot
+# dockerd may already have restarted the node's containers (restart: unless-stopped).
+ExecStartPre={PDCTL_BIN} doctor --config {config_path} --skip ports
+ExecStart={compose} up --detach --wait --wait-timeout {startup} --remove-orphans
+ExecStop={compose} down
+TimeoutStartSec={startup + 120}
+TimeoutStopSec=180
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def read_api_keys(path: Path) -> list[str]:
+    keys = [line.strip() for line in path.read_text().splitlines()]
+    return [k for k in keys if k and not k.startswith("#")]
+
+
+def placement_problems(cfg: HostConfig, out_dir: Path) -> list[str]:
+    """Files the containers read must be inside the directory mounted into them."""
+    out = []
+    for key in ("api_keys_file", "bootstrap_token_file"):
+        value = getattr(cfg.auth, key)
+        if value and not Path(value).is_relative_to(out_dir):
+            out.append(f"auth.{key}: {value} must be inside {out_dir} (the directory mounted "
+                       f"into the containers)")
+    return out
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def render(cfg: HostConfig, config_path: Path, out_dir: Path) -> list[Path]:
+    """Write every file into out_dir; returns their paths."""
+    out_dir = out_dir.resolve()
+    problems = placement_problems(cfg, out_dir)
+    if problems:
+        raise ConfigError(problems)
+    keys: list[str] = []
+    if cfg.auth.api_keys_file:
+        try:
+            keys = read_api_keys(Path(cfg.auth.api_keys_file))
+        except OSError as exc:
+            raise ConfigError(f"auth.api_keys_file: {cfg.auth.api_keys_file}: "
+                              f"{exc.strerror or exc}") from None
+        if not keys:
+            raise ConfigError(f"auth.api_keys_file: {cfg.auth.api_keys_file} has no keys")
+    written = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if keys:
+            _write(out_dir / PROXY_FILE, "# Written by `pdctl render`: the proxy's API keys.\n"
+                   f"[proxy]\napi_keys = [{', '.join(json.dumps(k) for k in keys)}]\n", 0o600)
+            written.append(out_dir / PROXY_FILE)
+        _write(out_dir / ENV_FILE, env_file_text(cfg, out_dir, config_path))
+        _write(out_dir / COMPOSE_FILE, repo_file(COMPOSE_FILE).read_text())
+        _write(out_dir / UNIT_FILE, unit_text(cfg, out_dir, config_path.resolve()))
+        written += [out_dir / ENV_FILE, out_dir / COMPOSE_FILE, out_dir / UNIT_FILE]
+    except OSError as exc:
+        raise PdctlError(f"cannot write to {out_dir}: {exc.strerror or exc}") from None
+    return written

@@ -1,0 +1,196 @@
+"""images/: hadolint on every Dockerfile, shellcheck on every shell script, and the
+preflight entrypoint against fake host trees."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.pdctl.fakes import FakeHost
+
+BIN = Path(sys.executable).parent
+PREFLIGHT = ROOT / "images/base/pd-preflight.sh"
+ENTRYPOINT = ROOT / "images/base/pd-entrypoint.sh"
+SKIP_DIRS = {".git", ".venv", ".cache", "node_modules", "__pycache__", ".pytest_cache",
+             ".ruff_cache"}
+
+
+def repo_files() -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        out += [Path(dirpath) / f for f in filenames]
+    return out
+
+
+def dockerfiles() -> list[Path]:
+    return sorted(p for p in repo_files() if p.name == "Dockerfile" or p.suffix == ".Dockerfile")
+
+
+def shell_scripts() -> list[Path]:
+    found = []
+    for p in repo_files():
+        if p.suffix == ".sh":
+            found.append(p)
+            continue
+        try:
+            head = p.open("rb").readline()
+        except OSError:
+            continue
+        if re.match(rb"#!\s*(/usr/bin/env\s+)?(/bin/|/usr/bin/)?(ba|da)?sh\b", head):
+            found.append(p)
+    return sorted(found)
+
+
+def test_every_image_takes_base_image_and_there_are_three():
+    files = dockerfiles()
+    assert {p.parent.name for p in files} >= {"base", "vllm", "slim"}
+    for p in files:
+        text = p.read_text()
+        assert re.search(r"^ARG BASE_IMAGE", text, re.M), p
+        assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M), p
+
+
+def test_images_install_what_the_spec_lists():
+    base = (ROOT / "images/base/Dockerfile").read_text()
+    for pkg in ("rdma-core", "ibverbs-providers", "libibverbs1", "librdmacm1", "ibverbs-utils",
+                "libnuma1"):
+        assert pkg in base, pkg
+    vllm = (ROOT / "images/vllm/Dockerfile").read_text()
+    assert "VLLM_VERSION=0.32.0" in vllm and "MOONCAKE_VERSION=0.3.13.post1" in vllm
+    assert "mooncake-transfer-engine==" in vllm
+    assert "vllm" not in (ROOT / "images/slim/Dockerfile").read_text().replace(
+        "appliance", "")
+
+
+@pytest.mark.parametrize("dockerfile", dockerfiles(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_hadolint(dockerfile):
+    res = subprocess.run([str(BIN / "hadolint"), str(dockerfile)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_shell_scripts_found():
+    names = {str(p.relative_to(ROOT)) for p in shell_scripts()}
+    assert {"install.sh", ".ci/run", "images/base/pd-preflight.sh",
+            "images/base/pd-entrypoint.sh", "images/build.sh"} <= names
+
+
+@pytest.mark.parametrize("script", shell_scripts(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_shellcheck(script):
+    res = subprocess.run([str(BIN / "shellcheck"), "--severity=style", str(script)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---- the preflight ----------------------------------------------------------------------
+
+def preflight(root: Path | None, **env: str) -> subprocess.CompletedProcess:
+    full = {"PATH": os.environ["PATH"], "PD_PROTOCOL": "rdma", **env}
+    if root is not None:
+        full["PD_PREFLIGHT_ROOT"] = str(root)
+    return subprocess.run(["sh", str(PREFLIGHT)], capture_output=True, text=True, timeout=30,
+                          env=full)
+
+
+@pytest.fixture
+def host(tmp_path) -> FakeHost:
+    return FakeHost(tmp_path / "root").build()
+
+
+def test_preflight_healthy(host):
+    res = preflight(host.root, PD_RDMA_DEVICE="mlx5_0")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == ("pd-preflight: ok: mlx5_0 port 1 ACTIVE (200 Gb/sec (4X HDR)), "
+                                  "uverbs0, memlock unlimited, GPUDirect via nvidia_peermem")
+
+
+def test_preflight_tcp_checks_nothing(tmp_path):
+    res = preflight(tmp_path / "empty", PD_PROTOCOL="tcp")
+    assert res.returncode == 0 and "protocol tcp" in res.stdout
+
+
+def one_error(res: subprocess.CompletedProcess) -> str:
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pd-preflight: error: "), res.stderr
+    return lines[0]
+
+
+def test_preflight_no_rdma_device(tmp_path):
+    msg = one_error(preflight(tmp_path / "empty"))
+    assert "protocol is rdma but no RDMA device is visible" in msg
+
+
+def test_preflight_unknown_device(host):
+    msg = one_error(preflight(host.root, PD_RDMA_DEVICE="mlx5_9"))
+    assert "RDMA device mlx5_9 not found (visible: mlx5_0)" in msg
+
+
+def test_preflight_port_down(host):
+    host.port_down()
+    assert "mlx5_0 has no ACTIVE port" in one_error(preflight(host.root))
+
+
+def test_preflight_no_dev_infiniband(host):
+    host.no_dev_infiniband()
+    assert "/dev/infiniband/uverbs* is not in the container" in one_error(preflight(host.root))
+
+
+def test_preflight_low_memlock(host):
+    host.low_memlock()
+    assert "memlock is 8388608 bytes, not unlimited" in one_error(preflight(host.root))
+
+
+def test_preflight_no_peermem(host):
+    host.no_peermem()
+    msg = one_error(preflight(host.root))
+    assert "nvidia_peermem is not loaded" in msg and "modprobe nvidia_peermem" in msg
+    assert "DMA-BUF is not usable" in one_error(preflight(host.root, PD_GPUDIRECT="dmabuf"))
+
+
+def test_preflight_dmabuf(host):
+    host.no_peermem()
+    host.open_kernel_modules()
+    res = preflight(host.root, PD_GPUDIRECT="dmabuf")
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("GPUDirect via DMA-BUF")
+    res = preflight(host.root, PD_GPUDIRECT="auto")
+    assert res.returncode == 0 and "DMA-BUF" in res.stdout
+    (host.root / "proc/sys/kernel/osrelease").write_text("5.4.0-150-generic\n")
+    assert "DMA-BUF is not usable" in one_error(preflight(host.root, PD_GPUDIRECT="dmabuf"))
+
+
+def test_preflight_bad_settings(host):
+    assert "PD_PROTOCOL must be rdma or tcp" in one_error(preflight(host.root, PD_PROTOCOL="ib"))
+    assert "PD_GPUDIRECT must be" in one_error(preflight(host.root, PD_GPUDIRECT="x"))
+
+
+def test_entrypoint_runs_the_command_only_after_the_preflight(host, tmp_path):
+    env = {"PATH": os.environ["PATH"], "PD_PREFLIGHT_BIN": str(PREFLIGHT),
+           "PD_PREFLIGHT_ROOT": str(host.root), "PD_PROTOCOL": "rdma"}
+    ok = subprocess.run(["sh", str(ENTRYPOINT), "echo", "serving"], capture_output=True,
+                        text=True, timeout=30, env=env)
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1] == "serving"
+    host.no_peermem()
+    bad = subprocess.run(["sh", str(ENTRYPOINT), "echo", "serving"], capture_output=True,
+                         text=True, timeout=30, env=env)
+    assert bad.returncode == 1 and "serving" not in bad.stdout
+    skipped = subprocess.run(["sh", str(ENTRYPOINT), "echo", "serving"], capture_output=True,
+                             text=True, timeout=30, env={**env, "PD_PREFLIGHT": "0"})
+    assert skipped.stdout.strip() == "serving"
+
+
+# ---- install.sh's systemd flag ----------------------------------------------------------
+
+def test_install_systemd_is_for_gpu_hosts():
+    res = subprocess.run(["bash", str(ROOT / "install.sh"), "--cpu", "--systemd"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0
+    assert res.stderr.strip() == ("install.sh: error: --systemd is for GPU hosts (the unit runs "
+                                  "the CUDA images); add --gpu")

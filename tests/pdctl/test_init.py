@@ -1,0 +1,98 @@
+"""`pdctl init`: detection from the fake host, no prompts when flags are given."""
+
+from __future__ import annotations
+
+import shutil
+
+from appliance.pdctl.config import load_config
+from tests.pdctl.conftest import error_lines
+
+
+def test_init_detects_gpus_rdma_and_address(pdctl, tmp_path):
+    out = tmp_path / "etc" / "host.toml"
+    res = pdctl("init", "--out", str(out), "--model", "/models/qwen", "--name", "node1")
+    assert res.exit_code == 0, res.output
+    assert "GPUs: 2" in res.stdout and "RDMA: mlx5_0 (port 1 ACTIVE 200 Gb/sec (4X HDR))" \
+        in res.stdout
+    cfg = load_config(out)
+    assert cfg.host.ip == "10.0.0.11"  # the RDMA NIC's netdev (ib0), not eno1
+    assert (cfg.gpus.prefill, cfg.gpus.decode) == ([0], [1])
+    assert (cfg.transfer.protocol, cfg.transfer.device, cfg.transfer.gpudirect) == \
+        ("rdma", "mlx5_0", "peermem")
+    assert cfg.model.path == "/models/qwen" and cfg.model.name == "qwen"
+
+
+def test_init_tp2_and_explicit_values(pdctl, tmp_path, host, runner):
+    runner.answer(["nvidia-smi"], "".join(f"{i}, NVIDIA H100, 0000:{i:02x}:00.0, 81559\n"
+                                          for i in range(4)))
+    out = tmp_path / "host.toml"
+    res = pdctl("init", "--out", str(out), "--model", "/models/qwen", "--tp-size", "2",
+                "--host-ip", "10.1.2.3", "--protocol", "tcp")
+    assert res.exit_code == 0, res.output
+    cfg = load_config(out)
+    assert (cfg.gpus.prefill, cfg.gpus.decode, cfg.model.tp_size) == ([0, 1], [2, 3], 2)
+    assert cfg.host.ip == "10.1.2.3" and cfg.transfer.protocol == "tcp"
+    assert cfg.transfer.device == ""
+
+
+def test_init_without_active_rdma_port_picks_tcp(pdctl, tmp_path, host):
+    host.port_down()
+    out = tmp_path / "host.toml"
+    assert pdctl("init", "--out", str(out), "--model", "/models/qwen").exit_code == 0
+    assert load_config(out).transfer.protocol == "tcp"
+
+
+def test_init_prefers_dmabuf_when_peermem_is_missing_and_dmabuf_works(pdctl, tmp_path, host):
+    host.no_peermem()
+    host.open_kernel_modules()
+    out = tmp_path / "host.toml"
+    assert pdctl("init", "--out", str(out), "--model", "/models/qwen").exit_code == 0
+    assert load_config(out).transfer.gpudirect == "dmabuf"
+
+
+def test_init_rejects_a_gpu_the_host_lacks(pdctl, tmp_path):
+    out = tmp_path / "host.toml"
+    res = pdctl("init", "--out", str(out), "--model", "/models/qwen", "--decode-gpus", "4")
+    assert res.exit_code == 2
+    assert error_lines(res) == ["pdctl: error: gpus.decode: GPU 4 does not exist on this host "
+                                "(GPUs: 0, 1)"]
+    assert not out.exists()
+
+
+def test_init_rejects_unknown_rdma_device(pdctl, tmp_path):
+    res = pdctl("init", "--out", str(tmp_path / "h.toml"), "--model", "/models/qwen",
+                "--rdma-device", "mlx5_7")
+    assert res.exit_code == 2 and "unknown RDMA device 'mlx5_7'" in res.stderr
+
+
+def test_init_warns_about_a_model_not_downloaded_yet(pdctl, tmp_path):
+    out = tmp_path / "host.toml"
+    res = pdctl("init", "--out", str(out), "--model", "/models/later")
+    assert res.exit_code == 0
+    assert "warning: model.path: /models/later does not exist" in res.stdout
+
+
+def test_init_needs_model_without_a_terminal(pdctl, tmp_path):
+    res = pdctl("init", "--out", str(tmp_path / "h.toml"))
+    assert res.exit_code == 2
+    assert error_lines(res) == ["pdctl: error: --model is required (the model directory on "
+                                "this host)"]
+
+
+def test_init_does_not_overwrite(pdctl, tmp_path):
+    out = tmp_path / "host.toml"
+    out.write_text("keep me")
+    res = pdctl("init", "--out", str(out), "--model", "/models/qwen")
+    assert res.exit_code == 2 and "exists (use --force" in res.stderr
+    assert out.read_text() == "keep me"
+    assert pdctl("init", "--out", str(out), "--model", "/models/qwen", "--force").exit_code == 0
+
+
+def test_init_on_a_host_without_nvidia_smi_or_rdma(pdctl, tmp_path, host, runner):
+    runner.answers.pop(("nvidia-smi",))
+    shutil.rmtree(host.root / "sys/class/infiniband")
+    out = tmp_path / "host.toml"
+    res = pdctl("init", "--out", str(out), "--model", "/models/qwen")
+    assert res.exit_code == 0, res.output
+    assert "RDMA: no devices" in res.stdout
+    assert load_config(out).transfer.protocol == "tcp"
