@@ -1,0 +1,42 @@
+"""`python -m appliance.proxy --port 8000 --prefill URL[,BOOTSTRAP] ... --decode URL ...`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from appliance.proxy.app import build_app
+from appliance.proxy.settings import load_settings
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        settings = load_settings(argv)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ValidationError):
+            msg = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        else:
+            msg = str(exc)
+        print(f"proxy: error: {msg}", file=sys.stderr)
+        sys.exit(2)
+    if not settings.prefill or not settings.decode:
+        print("proxy: error: at least one --prefill and one --decode are needed", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("appliance.proxy").info(
+        "proxy on %s:%d: prefill %s, decode %s, policy %s", settings.host, settings.port,
+        [f"{n.url} ({n.bootstrap_url})" for n in settings.prefill],
+        [n.url for n in settings.decode], settings.policy)
+    # handler_cancellation: a client that hangs up cancels its handler, which closes both
+    # upstream connections, so vLLM aborts the requests.
+    web.run_app(build_app(settings), host=settings.host, port=settings.port, print=None,
+                access_log=None, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,552 @@
+"""The proxy's aiohttp application: endpoints, the P/D exchange, cancellation, the access log.
+
+One request (seeds steps 8-10, 25, 42-43): pick P (and a dp rank) and D, send both at once,
+wait for P's status before any byte of D's answer reaches the client (with vLLM, D cannot
+speak before P has sent the KV, so this costs nothing), then relay D. P failing cancels D;
+D failing cancels P; the client leaving cancels both (the server runs with
+handler_cancellation, so the handler is cancelled and its upstream connections closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from appliance.proxy.backends import Backend, Backends, HealthPoller, PrefillBackend
+from appliance.proxy.errors import (
+    ProxyError,
+    json_error,
+    json_errors_middleware,
+    sse_error_event,
+    upstream_error_body,
+)
+from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.routing import Router
+from appliance.proxy.settings import ProxySettings
+from appliance.proxy.split import (
+    CHAT,
+    COMPLETIONS,
+    decode_body,
+    new_transfer_id,
+    parse_request,
+    prefill_body,
+    prefill_finish_reason,
+    uuid4_str,
+)
+from appliance.proxy.upstream import Pool, Response, UpstreamError, Upstreams, wait_any
+
+access_log = logging.getLogger("appliance.proxy.access")
+log = logging.getLogger("appliance.proxy")
+
+_encode = msgspec.json.encode
+_OPS_PATHS = frozenset({"/health", "/metrics", "/status"})
+
+
+@dataclass(slots=True)
+class Record:
+    """What the access log line and the metrics say about one request."""
+
+    route: str
+    request_id: str
+    started: float
+    own_request_id: bool = False
+    transfer_id: str = "-"
+    prefill: str = "-"
+    decode: str = "-"
+    status: int = 0
+    prefill_s: float | None = None
+    ttfb_s: float | None = None
+    fallback: str | None = None
+    error: str | None = None
+
+
+class Proxy:
+    """State shared by all requests: settings, nodes, routing, metrics, the upstream pool."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.in_flight = 0
+        self.metrics = ProxyMetrics(in_flight=lambda: self.in_flight)
+        self.backends = Backends(settings, self.metrics)
+        self.router = Router(settings.policy)
+        self.session: aiohttp.ClientSession | None = None
+        self.poller: HealthPoller | None = None
+        self.base_headers: dict[str, str] = {}
+        if settings.backend_api_key:
+            self.base_headers["Authorization"] = f"Bearer {settings.backend_api_key}"
+        self.models_timeout = aiohttp.ClientTimeout(
+            total=settings.health_timeout_s + settings.connect_timeout_s)
+        self.api_keys = [k.encode() for k in settings.api_keys]
+        # Keep-alive below uvicorn's 5 s default, so a pooled connection is never reused
+        # just as vLLM closes it (a classic source of "failed after the router idled").
+        # Read timeouts are checked every tick, so a tick is a fraction of the shortest one.
+        tick = min(0.25, settings.prefill_timeout_s / 10, settings.decode_read_timeout_s / 10)
+        self.upstreams = Upstreams(keepalive_s=4.0,
+                                   connect_timeout_s=settings.connect_timeout_s, tick_s=tick)
+
+    async def start(self, _app: web.Application | None = None) -> None:
+        # aiohttp's client for the light traffic: health checks, /query, /v1/models.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, ttl_dns_cache=300)
+        # Bodies are relayed as they come, so ask for them uncompressed; no cookies either.
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+        self.poller = HealthPoller(self.backends, self.session, self.settings, self.base_headers)
+        self.poller.start()
+        self.upstreams.start()
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        if self.poller is not None:
+            await self.poller.stop()
+        if self.session is not None:
+            await self.session.close()
+        await self.upstreams.close()
+
+    # ---- auth -------------------------------------------------------------------------
+
+    def authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        token = given.strip().encode()
+        # Compare against every key, so timing says nothing about which one was close.
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+    def needs_auth(self, path: str) -> bool:
+        if not self.api_keys:
+            return False
+        return path.startswith("/v1/") or (self.settings.auth_ops_endpoints
+                                           and path in _OPS_PATHS)
+
+    # ---- the generation endpoints ---------------------------------------------------------
+
+    async def generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        given = request.headers.get("X-Request-Id")
+        if given and len(given) <= 256 and given.isascii() and given.isprintable():
+            rec = Record(route, given, time.monotonic())
+        else:  # absent, or not safe to send upstream verbatim
+            rec = Record(route, uuid4_str(), time.monotonic(), own_request_id=True)
+        self.in_flight += 1
+        try:
+            resp = await self._generate(request, rec)
+            rec.status = resp.status
+            return resp
+        except ProxyError as exc:
+            rec.status, rec.error = exc.status, exc.message
+            return json_error(exc.status, exc.message, exc.err_type,
+                              headers={"X-Request-Id": rec.request_id})
+        except asyncio.CancelledError:
+            rec.status, rec.error = 499, "client disconnected"  # nginx's code for it
+            raise
+        except ConnectionResetError:  # the client left as its answer started
+            rec.status, rec.error = 499, "client disconnected"
+            raise
+        except Exception as exc:
+            log.exception("request %s failed", rec.request_id)
+            rec.status, rec.error = 500, repr(exc)
+            return json_error(500, f"proxy error: {exc!r}",
+                              headers={"X-Request-Id": rec.request_id})
+        finally:
+            self.in_flight -= 1
+            self.metrics.count_request(route, rec.status)
+            if self.settings.log_requests:
+                self._log(rec)
+
+    async def _generate(self, request: web.Request, rec: Record) -> web.StreamResponse:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ProxyError(413, f"request body too large (limit {limit} bytes)")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ProxyError(413, f"request body too large (limit {limit} bytes)") from None
+        body = parse_request(raw, rec.route)
+
+        if not self.backends.ever_ready:
+            raise ProxyError(503, "not ready: no prefill node has reported an engine id yet")
+        decodes = self.backends.ready_decode()
+        if not decodes:
+            raise ProxyError(503, "no decode node is healthy")
+        prefills = self.backends.ready_prefill()
+        if not prefills and not self.settings.fallback_to_decode:
+            raise ProxyError(503, "no prefill node is healthy with a known engine id")
+        d = self.router.pick_decode(decodes)
+        d.in_flight += 1
+        try:
+            if not prefills:
+                return await self._serve_plain(request, rec, body, d, "no_prefill")
+            p = self.router.pick_prefill(prefills)
+            return await self._serve_split(request, rec, body, p, d)
+        finally:
+            d.in_flight -= 1
+
+    def _headers(self, rec: Record) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "X-Request-Id": rec.request_id}
+        h.update(self.base_headers)
+        return h
+
+    async def _serve_split(self, request: web.Request, rec: Record, body: dict[str, Any],
+                           p: PrefillBackend, d: Backend) -> web.StreamResponse:
+        rank, engine_id = p.next_rank()
+        # A request id of ours is a fresh uuid4: the transfer id reuses it (as the reference
+        # does), which also ties the two together in logs; a client's id is not trusted to be
+        # unique, so then the transfer id gets its own.
+        rec.transfer_id = transfer_id = f"xfer-{rec.request_id}" if rec.own_request_id \
+            else new_transfer_id()
+        rec.prefill, rec.decode = f"{p.url}#dp{rank}", d.url
+        headers = self._headers(rec)
+        p_data = _encode(prefill_body(body, rec.route, transfer_id))
+        d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
+        p_pool, d_pool = self.upstreams.pool(p.url), self.upstreams.pool(d.url)
+        p_timeout = self.settings.prefill_timeout_s
+        d_timeout = self.settings.decode_read_timeout_s
+
+        p.in_flight += 1
+        p_counted = True
+        p_resp: Response | None = None
+        d_resp: Response | None = None
+        handed_over = False
+        started = time.monotonic()
+        try:
+            # Both at once: on pooled connections, two writes back to back.
+            p_resp = p_pool.send_nowait(rec.route, p_data, headers, read_timeout=p_timeout)
+            d_resp = d_pool.send_nowait(rec.route, d_data, headers, read_timeout=d_timeout)
+            p_error: UpstreamError | None = None
+            if p_resp is None or d_resp is None:
+                p_res, d_res = await self._send_both(
+                    (p_pool, p_resp, p_data, p_timeout), (d_pool, d_resp, d_data, d_timeout),
+                    rec.route, headers)
+                if isinstance(p_res, Response):
+                    p_resp = p_res
+                else:
+                    p_error = p_res
+                if isinstance(d_res, UpstreamError):
+                    raise self._decode_error(d, d_res)
+                d_resp = d_res
+            assert d_resp is not None
+            if p_resp is not None:
+                pr, dr = p_resp, d_resp
+                # P's outcome first: no byte of D reaches the client before P has succeeded.
+                await wait_any(pr, dr, until=lambda: pr.done or _failed_early(dr))
+                if not pr.done:
+                    # D is lost or refused: P's KV would wait for a pull that never comes.
+                    pr.close()
+                    handed_over = True
+                    return await self._relay(request, rec, d, dr)
+                p_error = pr.error
+            d_resp.touch()  # D's silence counts from P's answer: it was waiting for the KV
+            p.in_flight -= 1
+            p_counted = False
+
+            if p_error is not None or p_resp is None:
+                assert p_error is not None
+                reason = "prefill_timeout" if p_error.kind == "timeout" else \
+                    "prefill_unreachable"
+                self.metrics.upstream_errors.labels("prefill", p.url, p_error.kind).inc()
+                if p_error.kind == "connect":
+                    self.backends.mark_failed(p, str(p_error))
+                d_resp.close()
+                if not self.settings.fallback_to_decode:
+                    raise ProxyError(503, f"prefill node {p.url}: {p_error}")
+                rec.error = f"prefill: {p_error}"
+                return await self._serve_plain(request, rec, body, d, reason)
+            p_raw = await p_resp.read()  # complete already: returns at once
+            rec.prefill_s = time.monotonic() - started
+            self.metrics.prefill_latency.observe(rec.prefill_s)
+            if p_resp.status >= 300:
+                # For example 400, prompt too long: D must not wait for KV that never comes.
+                d_resp.close()
+                self.metrics.upstream_errors.labels("prefill", p.url, _kind(p_resp.status)).inc()
+                rec.error = "prefill failed"
+                return _json(p_resp.status, upstream_error_body(
+                    p_resp.status, p_raw, f"prefill node {p.url}"), rec)
+            if (self.settings.fallback_on_prefill_stop
+                    and prefill_finish_reason(p_raw) == "stop"):
+                d_resp.close()
+                return await self._serve_plain(request, rec, body, d, "prefill_stopped")
+            handed_over = True
+            return await self._relay(request, rec, d, d_resp)
+        finally:
+            if p_counted:
+                p.in_flight -= 1
+            if p_resp is not None:
+                p_resp.close()
+            if d_resp is not None and not handed_over:
+                d_resp.close()
+
+    async def _send_both(self, p_call: tuple[Pool, Response | None, bytes, float],
+                         d_call: tuple[Pool, Response | None, bytes, float], route: str,
+                         headers: dict[str, str]
+                         ) -> tuple[Response | UpstreamError, Response | UpstreamError]:
+        """The cold path: one or both nodes need a new connection; connect concurrently."""
+        async def send(pool: Pool, data: bytes, timeout: float) -> Response | UpstreamError:
+            try:
+                return await pool.send(route, data, headers, read_timeout=timeout)
+            except UpstreamError as exc:
+                return exc
+
+        tasks = [None if sent is not None else asyncio.create_task(send(pool, data, timeout))
+                 for pool, sent, data, timeout in (p_call, d_call)]
+        try:
+            await asyncio.wait([t for t in tasks if t is not None])
+        except BaseException:
+            for t in tasks:
+                if t is None:
+                    continue
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled() and isinstance(t.result(), Response):
+                    t.result().close()  # type: ignore[union-attr]
+            raise
+        p_res = p_call[1] if tasks[0] is None else tasks[0].result()
+        d_res = d_call[1] if tasks[1] is None else tasks[1].result()
+        assert p_res is not None and d_res is not None
+        return p_res, d_res
+
+    def _decode_error(self, d: Backend, exc: UpstreamError) -> ProxyError:
+        self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
+        if exc.kind == "timeout":
+            return ProxyError(504, f"decode node {d.url} did not answer in "
+                                   f"{self.settings.decode_read_timeout_s:g} s")
+        if exc.kind == "connect":
+            self.backends.mark_failed(d, str(exc))
+            return ProxyError(502, f"decode node {d.url} unreachable: {exc}")
+        return ProxyError(502, f"decode node {d.url} failed: {exc}")
+
+    async def _serve_plain(self, request: web.Request, rec: Record, body: dict[str, Any],
+                           d: Backend, reason: str) -> web.StreamResponse:
+        """D alone, local prefill, no kv_transfer_params: the fallback when P cannot help."""
+        self.metrics.fallbacks.labels(reason).inc()
+        rec.fallback, rec.decode = reason, d.url
+        try:
+            upstream = await self.upstreams.pool(d.url).send(
+                rec.route, _encode(body), self._headers(rec),
+                read_timeout=self.settings.decode_read_timeout_s)
+        except UpstreamError as exc:
+            raise self._decode_error(d, exc) from None
+        return await self._relay(request, rec, d, upstream)
+
+    async def _relay(self, request: web.Request, rec: Record, d: Backend,
+                     upstream: Response) -> web.StreamResponse:
+        """D's answer to the client: streamed chunk by chunk, or whole; upstream closed after."""
+        try:
+            try:
+                await upstream.head()
+            except UpstreamError as exc:
+                raise self._decode_error(d, exc) from None
+            if upstream.status >= 400:
+                try:
+                    raw = await upstream.read()
+                except UpstreamError:
+                    raw = b""
+                self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
+                if upstream.status < 500:  # the client's mistake, as D words it
+                    return _json(upstream.status, upstream_error_body(
+                        upstream.status, raw, f"decode node {d.url}"), rec)
+                inner = upstream_error_body(upstream.status, raw, f"decode node {d.url}")
+                raise ProxyError(502, f"decode node {d.url} answered {upstream.status}: "
+                                      f"{inner['error']['message']}")
+            content_type = upstream.header("content-type") or "application/json"
+            if content_type.startswith("text/event-stream"):
+                return await self._relay_stream(request, rec, d, upstream, content_type)
+            try:
+                raw = await upstream.read()
+            except UpstreamError as exc:
+                self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
+                raise ProxyError(502, f"decode node {d.url} failed mid-answer: {exc}") from None
+            rec.ttfb_s = time.monotonic() - rec.started
+            self.metrics.decode_ttfb.observe(rec.ttfb_s)
+            return web.Response(status=upstream.status, body=raw, headers={
+                "Content-Type": content_type, "X-Request-Id": rec.request_id})
+        finally:
+            # Closing an unfinished answer cuts the connection: vLLM aborts the request.
+            upstream.close()
+
+    async def _relay_stream(self, request: web.Request, rec: Record, d: Backend,
+                            upstream: Response, content_type: str) -> web.StreamResponse:
+        out = web.StreamResponse(status=upstream.status, headers={
+            "Content-Type": content_type, "Cache-Control": "no-cache",
+            "X-Request-Id": rec.request_id})
+        await out.prepare(request)
+        tail = b""
+        error: str | None = None
+        try:
+            async for chunk in upstream.chunks():
+                if rec.ttfb_s is None:
+                    rec.ttfb_s = time.monotonic() - rec.started
+                    self.metrics.decode_ttfb.observe(rec.ttfb_s)
+                try:
+                    await out.write(chunk)
+                except ConnectionResetError:
+                    rec.error = "client disconnected"
+                    return out
+                tail = (tail + chunk[-32:])[-32:]
+            if b"[DONE]" not in tail:
+                error = "decode stream ended before [DONE]"
+        except UpstreamError as exc:
+            error = f"decode node {d.url} failed mid-stream: {exc}"
+        if error is not None:
+            # Headers are gone already; the error event is how a stream says it failed.
+            self.metrics.upstream_errors.labels("decode", d.url, "stream").inc()
+            rec.error = error
+            try:
+                await out.write(sse_error_event(502, error))
+            except ConnectionResetError:
+                return out
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            # Clients (the openai SDK among them) hang up once they read [DONE]: the answer
+            # was complete, so this is no client disconnect.
+            if error is not None:
+                rec.error = rec.error or "client disconnected"
+        return out
+
+    def _log(self, rec: Record) -> None:
+        total = time.monotonic() - rec.started
+        access_log.info(
+            "%s %s xfer=%s p=%s d=%s status=%d prefill_ms=%s ttfb_ms=%s total_ms=%.1f%s%s",
+            rec.route, rec.request_id, rec.transfer_id, rec.prefill, rec.decode, rec.status,
+            _ms(rec.prefill_s), _ms(rec.ttfb_s), total * 1000,
+            f" fallback={rec.fallback}" if rec.fallback else "",
+            f" error={rec.error!r}" if rec.error else "")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, COMPLETIONS)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, CHAT)
+
+    # ---- the other endpoints --------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        decodes = self.backends.ready_decode()
+        if not decodes:
+            raise ProxyError(503, "no decode node is healthy")
+        d = self.router.pick_decode(decodes)
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{d.url}/v1/models", headers=self.base_headers,
+                                        timeout=self.models_timeout) as resp:
+                raw = await resp.read()
+                return web.Response(status=resp.status, body=raw, headers={
+                    "Content-Type": resp.headers.get("Content-Type", "application/json")})
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ProxyError(502, f"decode node {d.url}: {_describe(exc)}") from None
+
+    async def health(self, request: web.Request) -> web.Response:
+        reason = self.backends.not_ready_reason()
+        body = {
+            "status": "ok" if reason is None else "unavailable",
+            "reason": reason,
+            "prefill_ready": len(self.backends.ready_prefill()),
+            "decode_ready": len(self.backends.ready_decode()),
+        }
+        return web.Response(status=200 if reason is None else 503, body=_encode(body),
+                            content_type="application/json")
+
+    async def status(self, request: web.Request) -> web.Response:
+        body = self.backends.status()
+        body.update(policy=self.settings.policy,
+                    fallback_to_decode=self.settings.fallback_to_decode,
+                    in_flight=self.in_flight)
+        return web.Response(body=_encode(body), content_type="application/json")
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": self.metrics.content_type})
+
+
+PROXY = web.AppKey("proxy", Proxy)
+
+
+def _auth_middleware(proxy: Proxy) -> Any:
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        if proxy.needs_auth(request.path) and not proxy.authorized(request):
+            return json_error(401, "missing or invalid API key (Authorization: Bearer ...)",
+                              headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+    return auth
+
+
+def build_app(settings: ProxySettings) -> web.Application:
+    """The proxy as an aiohttp app; run it with handler_cancellation=True (see serve())."""
+    proxy = Proxy(settings)
+    middlewares = [json_errors_middleware]
+    if settings.api_keys:
+        middlewares.append(_auth_middleware(proxy))
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    app[PROXY] = proxy
+    app.on_startup.append(proxy.start)
+    app.on_cleanup.append(proxy.stop)
+    app.router.add_post(COMPLETIONS, proxy.completions)
+    app.router.add_post(CHAT, proxy.chat)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/status", proxy.status)
+    app.router.add_get("/metrics", proxy.metrics_endpoint)
+    return app
+
+
+class RunningProxy:
+    """A proxy serving on a socket: for tests and `pdctl up --local`."""
+
+    def __init__(self, runner: web.AppRunner, url: str) -> None:
+        self.runner = runner
+        self.url = url
+
+    @property
+    def proxy(self) -> Proxy:
+        return self.runner.app[PROXY]
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def serve(settings: ProxySettings) -> RunningProxy:
+    """Start the proxy on settings.host:settings.port (0: any free port)."""
+    runner = web.AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    sock = site._server.sockets[0]  # type: ignore[union-attr]
+    host, port = sock.getsockname()[:2]
+    host = "127.0.0.1" if host == "0.0.0.0" else host
+    return RunningProxy(runner, f"http://{host}:{port}")
+
+
+def _json(status: int, body: dict[str, Any], rec: Record) -> web.Response:
+    return web.Response(status=status, body=_encode(body), content_type="application/json",
+                        headers={"X-Request-Id": rec.request_id})
+
+
+def _failed_early(d: Response) -> bool:
+    """D's call ended before P's: unreachable, timed out, or answered an error status."""
+    return d.error is not None or (d.head_done and d.status >= 400)
+
+
+def _kind(status: int) -> str:
+    return "http_4xx" if status < 500 else "http_5xx"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"

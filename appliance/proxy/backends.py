@@ -1,0 +1,209 @@
+"""Prefill and decode nodes, their health, and the poller that keeps it current (seeds 6-7)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from appliance.bootstrap.wire import decode_query
+from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.settings import ProxySettings
+
+log = logging.getLogger("appliance.proxy.health")
+
+
+@dataclass(eq=False)
+class Backend:
+    role: str  # "prefill" | "decode"
+    url: str
+    healthy: bool = False
+    in_flight: int = 0
+    last_error: str | None = None
+    last_check: float | None = None  # monotonic
+    # Round-robin tie breaker for least-outstanding: how many requests this node was given.
+    picked: int = 0
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.healthy
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_rotation": self.in_rotation,
+            "in_flight": self.in_flight,
+            "last_error": self.last_error,
+            "last_check_age_s": None if self.last_check is None
+            else round(now - self.last_check, 3),
+        }
+
+
+@dataclass(eq=False)
+class PrefillBackend(Backend):
+    bootstrap_url: str = ""
+    # dp rank -> engine id, from the bootstrap's /query.
+    engine_ids: dict[int, str] = field(default_factory=dict)
+    _next_rank: int = 0
+
+    @property
+    def in_rotation(self) -> bool:
+        # Without an engine id D could not find P's workers: not ready (seeds step 6).
+        return self.healthy and bool(self.engine_ids)
+
+    def next_rank(self) -> tuple[int, str]:
+        """Several dp ranks behind one P are used in turn."""
+        ranks = sorted(self.engine_ids)
+        rank = ranks[self._next_rank % len(ranks)]
+        self._next_rank += 1
+        return rank, self.engine_ids[rank]
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        out["bootstrap_url"] = self.bootstrap_url
+        out["engine_ids"] = {str(k): v for k, v in sorted(self.engine_ids.items())}
+        return out
+
+
+class Backends:
+    """All nodes, as configured; health is written by the poller and by failed requests."""
+
+    def __init__(self, settings: ProxySettings, metrics: ProxyMetrics) -> None:
+        self.prefill = [PrefillBackend("prefill", n.url, bootstrap_url=n.bootstrap_url)
+                        for n in settings.prefill]
+        self.decode = [Backend("decode", n.url) for n in settings.decode]
+        self.metrics = metrics
+        # Latched once any P has had an engine id: before that, requests get 503 (the
+        # deployment is still starting); after, a P outage means fallback, not an outage.
+        self.ever_ready = False
+        # The rotation, rebuilt when a node's health changes rather than on every request.
+        self._ready_prefill: list[PrefillBackend] = []
+        self._ready_decode: list[Backend] = []
+        for b in self.all():
+            metrics.backend_up.labels(b.role, b.url).set(0)
+
+    def all(self) -> list[Backend]:
+        return [*self.prefill, *self.decode]
+
+    def ready_prefill(self) -> list[PrefillBackend]:
+        return self._ready_prefill
+
+    def ready_decode(self) -> list[Backend]:
+        return self._ready_decode
+
+    def set_health(self, b: Backend, healthy: bool, error: str | None = None,
+                   engine_ids: dict[int, str] | None = None) -> None:
+        was = b.in_rotation
+        if engine_ids is not None and isinstance(b, PrefillBackend):
+            b.engine_ids = engine_ids
+        b.healthy = healthy
+        b.last_error = error
+        b.last_check = time.monotonic()
+        if isinstance(b, PrefillBackend) and b.in_rotation:
+            self.ever_ready = True
+        now = b.in_rotation
+        self.metrics.backend_up.labels(b.role, b.url).set(1 if now else 0)
+        self._ready_prefill = [n for n in self.prefill if n.in_rotation]
+        self._ready_decode = [n for n in self.decode if n.in_rotation]
+        if was != now:
+            if now:
+                log.info("%s %s in rotation", b.role, b.url)
+            else:
+                log.warning("%s %s out of rotation: %s", b.role, b.url, error)
+
+    def mark_failed(self, b: Backend, error: str) -> None:
+        """A request could not connect: out of rotation now, the poller brings it back."""
+        self.set_health(b, False, error)
+
+    def not_ready_reason(self) -> str | None:
+        if not self.ready_prefill():
+            return "no prefill node is healthy with a known engine id"
+        if not self.ready_decode():
+            return "no decode node is healthy"
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "ready": self.not_ready_reason() is None,
+            "reason": self.not_ready_reason(),
+            "prefill": [b.describe() for b in self.prefill],
+            "decode": [b.describe() for b in self.decode],
+        }
+
+
+class HealthPoller:
+    """Every interval: each P's /health then its bootstrap's /query, each D's /health."""
+
+    def __init__(self, backends: Backends, session: aiohttp.ClientSession,
+                 settings: ProxySettings, headers: dict[str, str]) -> None:
+        self.backends = backends
+        self.session = session
+        self.interval = settings.health_interval_s
+        self.timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
+        self.headers = headers  # for P and D (vLLM's --api-key); the bootstrap gets none
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="proxy-health-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.poll_once()
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def poll_once(self) -> None:
+        checks = [self._check_prefill(b) for b in self.backends.prefill]
+        checks += [self._check_decode(b) for b in self.backends.decode]
+        await asyncio.gather(*checks)
+
+    async def _get(self, url: str, headers: dict[str, str] | None = None) -> bytes:
+        async with self.session.get(url, timeout=self.timeout, headers=headers) as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"GET {url} answered {resp.status}")
+            return body
+
+    async def _check_decode(self, b: Backend) -> None:
+        try:
+            await self._get(f"{b.url}/health", self.headers)
+        except Exception as exc:  # noqa: BLE001 - any failure takes the node out
+            self.backends.set_health(b, False, _reason(exc))
+        else:
+            self.backends.set_health(b, True)
+
+    async def _check_prefill(self, b: PrefillBackend) -> None:
+        try:
+            await self._get(f"{b.url}/health", self.headers)
+        except Exception as exc:  # noqa: BLE001
+            # A restarted P registers a new engine id: forget the old ones.
+            self.backends.set_health(b, False, _reason(exc), engine_ids={})
+            return
+        try:
+            answer = decode_query(await self._get(f"{b.bootstrap_url}/query"))
+            engine_ids = {int(rank): view.engine_id for rank, view in answer.items()}
+        except Exception as exc:  # noqa: BLE001
+            self.backends.set_health(b, True, f"bootstrap: {_reason(exc)}", engine_ids={})
+            return
+        error = None if engine_ids else "bootstrap knows no engine id yet"
+        self.backends.set_health(b, True, error, engine_ids=engine_ids)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,74 @@
+"""OpenAI-style errors: JSON bodies, SSE error events, and upstream bodies made uniform."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from appliance.httperrors import error_body
+
+
+class ProxyError(Exception):
+    """Ends a request with an OpenAI-style error; raised anywhere below the handler."""
+
+    def __init__(self, status: int, message: str, err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.err_type)
+
+
+def json_error(status: int, message: str, err_type: str | None = None,
+               headers: dict[str, str] | None = None) -> web.Response:
+    body = msgspec.json.encode(error_body(status, message, err_type))
+    return web.Response(status=status, body=body, content_type="application/json",
+                        headers=headers)
+
+
+def sse_error_event(status: int, message: str, err_type: str | None = None) -> bytes:
+    """What a stream ends with when D fails after its first byte: an error, never a silent cut."""
+    return b"data: " + msgspec.json.encode(error_body(status, message, err_type)) + b"\n\n"
+
+
+def upstream_error_body(status: int, raw: bytes, who: str) -> dict[str, Any]:
+    """vLLM answers `{"error": {...}}` (new) or `{"object": "error", "message": ...}` (old);
+    anything else (a load balancer's HTML page) becomes a message naming the node."""
+    message, err_type = "", None
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        data = None
+    if isinstance(data, dict):
+        inner = data.get("error") if isinstance(data.get("error"), dict) else data
+        message = inner.get("message") if isinstance(inner.get("message"), str) else ""
+        err_type = inner.get("type") if isinstance(inner.get("type"), str) else None
+    if not message:
+        text = raw[:200].decode("utf-8", "replace").strip()
+        message = f"{who} answered {status}" + (f": {text}" if text else "")
+    return error_body(status, message, err_type)
+
+
+@web.middleware
+async def json_errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own errors (404, 405, 413 ...) and ProxyError as OpenAI-style JSON."""
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        return json_error(exc.status, exc.message, exc.err_type)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 404:
+            message = f"no route for {request.method} {request.path}"
+        elif exc.status == 405:
+            message = f"method {request.method} not allowed on {request.path}"
+        elif exc.status == 413:
+            message = f"request body too large: {exc.text}"
+        else:
+            message = exc.reason
+        return json_error(exc.status, message)

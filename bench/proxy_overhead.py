@@ -1,0 +1,374 @@
+"""What the proxy costs: the same load sent straight to D and through the proxy, in one run.
+
+    python bench/proxy_overhead.py [--seconds 3] [--concurrency 1 64]
+
+Fake P (with its bootstrap) and fake D are aiohttp servers on loopback that answer at once
+(D streams 16 SSE events when asked to), each in its own process; the proxy runs in its own
+process, pinned to a core of its own when there are two or more (--no-pin: not); the load
+generator is a small keep-alive HTTP/1.1 client on raw asyncio sockets, so that it stays
+cheap. Direct and proxied load alternate in short slices, so that other work on a shared
+machine weighs on both alike. Prints added latency (p50, p99), the proxy's requests per
+second as a ratio of direct-to-D, and each server's CPU time per request.
+Targets: < 1 ms added at p50 at concurrency 1; >= 40% of direct throughput at 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNKS = 16
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
+
+
+# ---- fake P / D (run in child processes) -----------------------------------------------------
+
+def run_fake(port: int, bootstrap_port: int | None) -> None:
+    from aiohttp import web
+
+    def event(i: int, finish: str | None) -> bytes:
+        return b"data: " + json.dumps({
+            "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
+            "choices": [{"index": 0, "text": f" tok{i}", "finish_reason": finish}]}).encode() \
+            + b"\n\n"
+
+    stream_body = [event(i, "length" if i == CHUNKS - 1 else None) for i in range(CHUNKS)]
+    stream_body.append(b"data: [DONE]\n\n")
+
+    def full(n: int) -> bytes:
+        return json.dumps({
+            "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
+            "choices": [{"index": 0, "text": " tok" * n, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 90, "completion_tokens": n}}).encode()
+
+    one, many = full(1), full(CHUNKS)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for chunk in stream_body:  # one write per event, as vLLM does
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        return web.Response(body=one if body.get("max_tokens") == 1 else many,
+                            content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def query(request: web.Request) -> web.Response:
+        return web.json_response({"0": {"engine_id": "engine-bench",
+                                        "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}})
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", generate)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        if bootstrap_port is not None:
+            bapp = web.Application()
+            bapp.router.add_get("/query", query)
+            brunner = web.AppRunner(bapp, access_log=None)
+            await brunner.setup()
+            await web.TCPSite(brunner, "127.0.0.1", bootstrap_port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# ---- load generator ------------------------------------------------------------------------
+
+class HttpConn(asyncio.Protocol):
+    """One keep-alive connection; request() resolves when the whole response is in."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.done: asyncio.Future[tuple[int, bytes]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        parsed = _parse_response(self.buf)
+        if parsed is not None and self.done is not None and not self.done.done():
+            status, body, used = parsed
+            del self.buf[:used]
+            self.done.set_result((status, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("connection lost"))
+
+    async def request(self, raw: bytes) -> tuple[int, bytes]:
+        assert self.transport is not None
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return await self.done
+
+
+def _parse_response(buf: bytearray) -> tuple[int, bytes, int] | None:
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    status = int(head[0].split(" ", 2)[1])
+    headers = {k.strip().lower(): v.strip()
+               for k, _, v in (line.partition(":") for line in head[1:])}
+    pos = end + 4
+    if "content-length" in headers:
+        n = int(headers["content-length"])
+        if len(buf) < pos + n:
+            return None
+        return status, bytes(buf[pos:pos + n]), pos + n
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        body = bytearray()
+        while True:
+            line_end = buf.find(b"\r\n", pos)
+            if line_end < 0:
+                return None
+            size = int(bytes(buf[pos:line_end]).split(b";")[0], 16)
+            if len(buf) < line_end + 2 + size + 2:
+                return None
+            body += buf[line_end + 2:line_end + 2 + size]
+            pos = line_end + 2 + size + 2
+            if size == 0:
+                return status, bytes(body), pos
+    raise RuntimeError(f"cannot frame response: {head[0]}")
+
+
+def _request_bytes(port: int, stream: bool) -> bytes:
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": CHUNKS,
+                       "temperature": 0, "stream": stream}).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+@dataclass
+class Result:
+    latencies: list[float]
+    seconds: float
+    total: int = 0  # requests, warm-up included
+    cpu_per_req: float | None = None  # seconds of the measured server's CPU per request
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies) / self.seconds
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def load(port: int, concurrency: int, seconds: float, stream: bool,
+               warmup: float = 0.5) -> Result:
+    loop = asyncio.get_running_loop()
+    raw = _request_bytes(port, stream)
+    conns = []
+    for _ in range(concurrency):
+        _, proto = await loop.create_connection(HttpConn, "127.0.0.1", port)
+        conns.append(proto)
+    latencies: list[float] = []
+    total = 0
+    start = time.perf_counter()
+    measure_from = start + warmup
+    stop_at = measure_from + seconds
+
+    async def worker(conn: HttpConn) -> None:
+        nonlocal total
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= stop_at:
+                return
+            status, body = await conn.request(raw)
+            t1 = time.perf_counter()
+            total += 1
+            if status != 200 or (stream and not body.endswith(b"data: [DONE]\n\n")):
+                raise RuntimeError(f"bad answer {status}: {body[:200]!r}")
+            if t0 >= measure_from:
+                latencies.append(t1 - t0)
+
+    # Bounded: a stuck server fails the run instead of hanging it.
+    await asyncio.wait_for(asyncio.gather(*(worker(c) for c in conns)), warmup + seconds + 30)
+    elapsed = time.perf_counter() - measure_from
+    for c in conns:
+        assert c.transport is not None
+        c.transport.close()
+    return Result(latencies, elapsed, total)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(port: int, pid: int, concurrency: int, seconds: float, stream: bool,
+            warmup: float) -> Result:
+    before = _cpu_seconds(pid)
+    result = asyncio.run(load(port, concurrency, seconds, stream, warmup))
+    result.cpu_per_req = (_cpu_seconds(pid) - before) / max(1, result.total)
+    return result
+
+
+def compare(d: tuple[int, int], x: tuple[int, int], concurrency: int, seconds: float,
+            stream: bool, rounds: int) -> tuple[Result, Result]:
+    """Direct and proxied in alternating slices, so that other work on a shared machine
+    weighs on both sides alike; the slices are pooled."""
+    pooled = [Result([], 0.0, 0, 0.0), Result([], 0.0, 0, 0.0)]
+    for i in range(rounds):
+        for (port, pid), acc in zip((d, x), pooled, strict=True):
+            r = measure(port, pid, concurrency, seconds / rounds, stream,
+                        warmup=0.3 if i == 0 else 0.05)
+            acc.latencies += r.latencies
+            acc.seconds += r.seconds
+            acc.total += r.total
+            acc.cpu_per_req = (acc.cpu_per_req or 0) + (r.cpu_per_req or 0) * r.total
+    for acc in pooled:
+        acc.cpu_per_req = (acc.cpu_per_req or 0) / max(1, acc.total)
+    return pooled[0], pooled[1]
+
+
+# ---- orchestration -------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(port: int, path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"127.0.0.1:{port}{path} did not answer 200 in {timeout:.0f} s")
+
+
+def _spawn(args: list[str], cpus: set[int] | None, log: Path) -> subprocess.Popen[bytes]:
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    with log.open("wb") as out:  # a file, not a pipe nobody drains
+        return subprocess.Popen([sys.executable, *args], cwd=ROOT, preexec_fn=pin,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds per cell")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="alternating direct/proxied slices per cell")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="give the proxy a core of its own, the rest the other cores (the "
+                         "target's terms); --no-pin on a machine busy with other work")
+    ap.add_argument("--fake", nargs=2, type=int, metavar=("PORT", "BOOTSTRAP_PORT"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.fake:
+        run_fake(args.fake[0], args.fake[1] or None)
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=150)
+    cpus = sorted(os.sched_getaffinity(0))
+    # The proxy gets a core of its own; everything else shares the rest.
+    pin = args.pin and len(cpus) > 1
+    proxy_cpus = {cpus[-1]} if pin else None
+    other_cpus = set(cpus[:-1]) if pin else None
+    p_port, b_port, d_port, x_port = (_free_port() for _ in range(4))
+    logs = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
+    procs = [
+        _spawn([__file__, "--fake", str(p_port), str(b_port)], other_cpus, logs / "p.log"),
+        _spawn([__file__, "--fake", str(d_port), "0"], other_cpus, logs / "d.log"),
+        _spawn(["-m", "appliance.proxy", "--host", "127.0.0.1", "--port", str(x_port),
+                "--prefill", f"http://127.0.0.1:{p_port},http://127.0.0.1:{b_port}",
+                "--decode", f"http://127.0.0.1:{d_port}", "--health-interval", "1",
+                "--no-log-requests", "--log-level", "WARNING"], proxy_cpus,
+               logs / "proxy.log"),
+    ]
+    if other_cpus:
+        os.sched_setaffinity(0, other_cpus)
+    try:
+        _wait_http(p_port, "/health")
+        _wait_http(d_port, "/health")
+        _wait_http(x_port, "/health")
+        rows = []
+        started = time.monotonic()
+        for stream in (False, True):
+            for c in args.concurrency:
+                direct, proxied = compare((d_port, procs[1].pid), (x_port, procs[2].pid),
+                                          c, args.seconds, stream, args.rounds)
+                rows.append((stream, c, direct, proxied))
+        wall = time.monotonic() - started
+    except BaseException:
+        console.print(f"[red]bench failed; process logs in {logs}[/]")
+        raise
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    table = Table(title=f"proxy overhead ({len(cpus)} CPUs; proxy pinned to "
+                        f"{sorted(proxy_cpus) if proxy_cpus else 'any'}; "
+                        f"{args.seconds:g} s per cell in {args.rounds} alternating slices)")
+    for col in ("mode", "conc", "direct p50 ms", "proxy p50 ms", "added p50 ms",
+                "added p99 ms", "direct req/s", "proxy req/s", "ratio", "target",
+                "direct: D CPU µs/req", "proxy CPU µs/req"):
+        table.add_column(col, justify="right")
+    verdicts = []
+    for stream, c, direct, proxied in rows:
+        added50 = (proxied.pct(0.5) - direct.pct(0.5)) * 1000
+        added99 = (proxied.pct(0.99) - direct.pct(0.99)) * 1000
+        ratio = proxied.rps / direct.rps
+        if c == 1:
+            ok, target = added50 < 1.0, "< 1 ms p50"
+        elif c >= 64:
+            ok, target = ratio >= 0.40, ">= 40%"
+        else:
+            ok, target = True, "-"
+        verdicts.append(ok)
+        table.add_row(
+            f"stream ({CHUNKS} ev)" if stream else "json", str(c),
+            f"{direct.pct(0.5) * 1000:.2f}", f"{proxied.pct(0.5) * 1000:.2f}",
+            f"{added50:.2f}", f"{added99:.2f}", f"{direct.rps:,.0f}", f"{proxied.rps:,.0f}",
+            f"{ratio:.0%}", f"[green]{target} ok[/]" if ok else f"[red]{target} MISSED[/]",
+            f"{(direct.cpu_per_req or 0) * 1e6:.0f}", f"{(proxied.cpu_per_req or 0) * 1e6:.0f}")
+    console.print(table)
+    console.print(f"load phase {wall:.0f} s; CPU per request is the server process's own "
+                  f"(fake D direct, the proxy through it); the proxy makes two upstream "
+                  f"requests per request. Load average now: "
+                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    sys.exit(0 if all(verdicts) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Recording fakes of vLLM prefill/decode servers and of the bootstrap sidecar, on loopback.
+
+Each fake is a real aiohttp server run with handler_cancellation, so a proxy closing its
+connection shows up here as a cancelled request. Behaviour is switched per test through
+plain attributes (status, hang, chunk delays, dying mid-stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class Received:
+    path: str
+    headers: Mapping[str, str]  # case-insensitive, as received
+    body: dict[str, Any]
+    at: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    chunks_sent: int = 0
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # handler left, any way
+
+    @property
+    def kv(self) -> dict[str, Any] | None:
+        return self.body.get("kv_transfer_params")
+
+
+class FakeServer:
+    def __init__(self) -> None:
+        self.app = web.Application()
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        """Closes the socket (later connects are refused); start() reopens the same port."""
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+            self.app = self._fresh_app()
+
+    def _fresh_app(self) -> web.Application:
+        return web.Application()
+
+
+class FakeBootstrap(FakeServer):
+    """`GET /query` answers dp rank -> engine id as the MooncakeConnector's bootstrap does."""
+
+    def __init__(self, engines: dict[int, str] | None = None) -> None:
+        super().__init__()
+        self.engines: dict[int, str] = dict(engines or {})
+        self.fail = False
+        self.queries = 0
+        self.last_headers: Mapping[str, str] = {}
+        self.app = self._fresh_app()
+
+    def _fresh_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/query", self._query)
+        return app
+
+    async def _query(self, request: web.Request) -> web.Response:
+        self.queries += 1
+        self.last_headers = request.headers.copy()
+        if self.fail:
+            return web.json_response({"error": "boom"}, status=500)
+        return web.json_response({
+            str(rank): {"engine_id": eid, "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}
+            for rank, eid in self.engines.items()})
+
+
+class FakeVLLM(FakeServer):
+    """A vLLM OpenAI server good enough for the proxy: records every generation request."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.received: list[Received] = []
+        self.arrived = asyncio.Event()
+        # Behaviour switches.
+        self.healthy = True
+        self.status = 200
+        self.error_body: dict[str, Any] | None = None
+        self.hang = False  # never answer (no headers)
+        self.hang_after_headers = False  # SSE headers, then silence (D waiting for KV)
+        self.delay = 0.0  # before the headers
+        self.chunks = 4
+        self.chunk_delay = 0.0
+        self.die_after: int | None = None  # abort the connection after this many chunks
+        self.skip_done = False  # end the stream cleanly but without [DONE]
+        self.finish_reason = "length"
+        self.app = self._fresh_app()
+
+    def _fresh_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    def bodies(self) -> list[dict[str, Any]]:
+        return [r.body for r in self.received]
+
+    async def wait_requests(self, n: int, timeout: float = 5.0) -> None:
+        async def _wait() -> None:
+            while len(self.received) < n:
+                self.arrived.clear()
+                await self.arrived.wait()
+        await asyncio.wait_for(_wait(), timeout)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "tiny", "object": "model", "owned_by": self.name}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        rec = Received(request.path, request.headers.copy(), await request.json())
+        self.received.append(rec)
+        self.arrived.set()
+        try:
+            return await self._answer(request, rec)
+        except asyncio.CancelledError:
+            rec.cancelled = True
+            raise
+        finally:
+            rec.finished.set()
+
+    async def _answer(self, request: web.Request, rec: Received) -> web.StreamResponse:
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.status >= 400:
+            body = self.error_body or {"error": {"message": f"{self.name} says no",
+                                                 "type": "BadRequestError",
+                                                 "code": self.status}}
+            return web.json_response(body, status=self.status)
+        chat = rec.path.endswith("/chat/completions")
+        if not rec.body.get("stream"):
+            return web.json_response(_full(self.name, chat, self.finish_reason,
+                                           rec.body.get("max_tokens")))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        if self.hang_after_headers:
+            await asyncio.Event().wait()
+        for i in range(self.chunks):
+            if self.die_after is not None and i == self.die_after:
+                # Let the chunks reach the proxy first: a crash, not a lost write buffer.
+                await asyncio.sleep(0.1)
+                assert request.transport is not None
+                request.transport.abort()
+                await asyncio.sleep(0)
+                return resp
+            last = i == self.chunks - 1
+            await resp.write(_sse(_chunk(self.name, chat, i, self.finish_reason if last else None)))
+            rec.chunks_sent += 1
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+        if not self.skip_done:
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _chunk(name: str, chat: bool, i: int, finish: str | None) -> dict[str, Any]:
+    if chat:
+        return {"id": f"chatcmpl-{name}", "object": "chat.completion.chunk", "created": 0,
+                "model": "tiny",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": f"t{i} "},
+                             "finish_reason": finish}]}
+    return {"id": f"cmpl-{name}", "object": "text_completion", "created": 0, "model": "tiny",
+            "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": finish}]}
+
+
+def _full(name: str, chat: bool, finish: str, max_tokens: int | None) -> dict[str, Any]:
+    text = "t0" if max_tokens == 1 else "t0 t1 t2 t3"
+    usage = {"prompt_tokens": 5, "completion_tokens": 1 if max_tokens == 1 else 4}
+    if chat:
+        return {"id": f"chatcmpl-{name}", "object": "chat.completion", "created": 0,
+                "model": "tiny", "usage": usage,
+                "choices": [{"index": 0, "finish_reason": finish,
+                             "message": {"role": "assistant", "content": text}}]}
+    return {"id": f"cmpl-{name}", "object": "text_completion", "created": 0, "model": "tiny",
+            "usage": usage, "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
