@@ -49,6 +49,9 @@ class NodeSpec:
     proxy_port: int | None = None
     proxy_host: str | None = None
     proxy_args: tuple[str, ...] = ("--health-interval", "0.5")
+    # Extra vLLM flags per role (appended, so they override the defaults above).
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
 
     @property
     def bootstrap_url(self) -> str:
@@ -111,7 +114,8 @@ class LocalNode:
         argv = vllm_serve_argv(s.model, port, host=s.host, served_model_name=s.served_model_name,
                                block_size=CPU_BLOCK_SIZE, max_model_len=s.max_model_len,
                                kv_transfer_config=s.kv_transfer_config(role),
-                               extra=CPU_SERVE_FLAGS)
+                               extra=(*CPU_SERVE_FLAGS, *(s.prefill_args if role == "kv_producer"
+                                                          else s.decode_args)))
         return ServiceProcess(name, argv, s.log_dir / f"{name}.log",
                               env={**cpu_env(_omp_bind(cpus), s.host), **s.extra_env},
                               health_url=f"http://{s.host}:{port}/health", cpus=cpus)

@@ -43,8 +43,13 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def plain_server(tiny_model, tmp_path_factory):
     """One plain vLLM server (no connector) of the tiny model: the parity reference."""
-    from appliance.process import (CPU_BLOCK_SIZE, CPU_SERVE_FLAGS, ServiceProcess, cpu_env,
-                                   vllm_serve_argv)
+    from appliance.process import (
+        CPU_BLOCK_SIZE,
+        CPU_SERVE_FLAGS,
+        ServiceProcess,
+        cpu_env,
+        vllm_serve_argv,
+    )
 
     port = free_port()
     logs = tmp_path_factory.mktemp("plain")

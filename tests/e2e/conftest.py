@@ -17,12 +17,16 @@ from tests.conftest import free_port
 
 # Short deadlines so failure paths finish quickly in tests.
 TEST_CONNECTOR = {"recv_timeout_s": 8, "send_timeout_s": 15, "cancel_grace_s": 2}
+PREFILL_MAX_LEN = 1024
 
 
 @pytest.fixture(scope="session")
 def pd_node(tiny_model, tmp_path_factory):
     spec = NodeSpec(model=tiny_model, prefill_port=free_port(), decode_port=free_port(),
-                    bootstrap_port=free_port(), connector_extra=dict(TEST_CONNECTOR),
+                    bootstrap_port=free_port(), proxy_port=free_port(),
+                    connector_extra=dict(TEST_CONNECTOR),
+                    # P accepts shorter prompts than D, so P can reject what D accepts.
+                    prefill_args=("--max-model-len", str(PREFILL_MAX_LEN)),
                     log_dir=tmp_path_factory.mktemp("pd-node"))
     node = LocalNode(spec)
     node.start(timeout=400)
