@@ -172,25 +172,40 @@ async def one_request(http: aiohttp.ClientSession, setup: Setup, prompt: list[in
 
 
 async def measure(setup: Setup, sizes: list[int], concurrency: list[int], repeats: int,
-                  seed: int) -> dict[tuple[int, int], float]:
+                  seed: int, request_timeout: float
+                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], int]]:
+    """Median TTFT per (size, concurrency), and how many requests got no first token
+    within request_timeout (a stuck transfer)."""
     rng = random.Random(seed)
     results: dict[tuple[int, int], float] = {}
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        await one_request(http, setup, [rng.randrange(3, 2000) for _ in range(64)])  # warm up
+    stuck: dict[tuple[int, int], int] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        async def timed(prompt: list[int]) -> float | None:
+            try:
+                return await asyncio.wait_for(one_request(http, setup, prompt),
+                                              request_timeout)
+            except asyncio.TimeoutError:
+                return None
+
+        await timed([rng.randrange(3, 2000) for _ in range(64)])  # warm up
         for size in sizes:
             for conc in concurrency:
-                samples = []
+                samples, failed = [], 0
                 for _ in range(repeats):
                     prompts = [[rng.randrange(3, 2000) for _ in range(size)]
                                for _ in range(conc)]
-                    times = await asyncio.gather(*(one_request(http, setup, p)
-                                                   for p in prompts))
-                    samples.append(statistics.mean(times))
-                results[(size, conc)] = statistics.median(samples)
+                    times = await asyncio.gather(*(timed(p) for p in prompts))
+                    ok = [t for t in times if t is not None]
+                    failed += len(times) - len(ok)
+                    if ok:
+                        samples.append(statistics.mean(ok))
+                key = (size, conc)
+                results[key] = statistics.median(samples) if samples else float("nan")
+                stuck[key] = failed
                 console.log(f"{setup.name}: {size} tokens x{conc}: "
-                            f"{results[(size, conc)] * 1e3:.1f} ms")
-    return results
+                            f"{results[key] * 1e3:.1f} ms" + (f", {failed} stuck" if failed
+                                                             else ""))
+    return results, stuck
 
 
 def main() -> None:
@@ -202,6 +217,8 @@ def main() -> None:
     parser.add_argument("--skip-builtin", action="store_true")
     parser.add_argument("--compare-late", action="store_true",
                         help="also run ours with early_push=false (the reference's timing)")
+    parser.add_argument("--request-timeout", type=float, default=60.0,
+                        help="seconds after which a request without a first token is stuck")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-ttft"))
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -215,13 +232,15 @@ def main() -> None:
     if not args.skip_builtin:
         makers.append(builtin_setup)
     results: dict[str, dict[tuple[int, int], float]] = {}
+    stuck: dict[str, dict[tuple[int, int], int]] = {}
     for make in makers:
         setup = make(model, args.log_dir)
         console.log(f"starting {setup.name}")
         setup.start()
         try:
             asyncio.run(discover_engine(setup))
-            results[setup.name] = asyncio.run(measure(setup, sizes, conc, args.repeats, 1))
+            results[setup.name], stuck[setup.name] = asyncio.run(
+                measure(setup, sizes, conc, args.repeats, 1, args.request_timeout))
         finally:
             setup.stop()
 
@@ -247,6 +266,11 @@ def main() -> None:
                 row += ["-", "-", "-"]
             table.add_row(*row)
     Console().print(table)
+    for name, counts in stuck.items():
+        for (size, c), n in counts.items():
+            if n:
+                print(f"{name}: {n} request(s) of {size} tokens x{c} got no first token "
+                      f"within {args.request_timeout:g} s")
 
 
 if __name__ == "__main__":

@@ -187,10 +187,13 @@ class Sender:
                 await self._reply(identity, m.TransferResponse(status=m.Status.ERROR,
                                                                message=str(exc)))
                 continue
-            if isinstance(msg, m.CancelRequest):
-                self._cancel(identity, msg)
-            else:
-                self._accept(identity, msg)
+            try:
+                if isinstance(msg, m.CancelRequest):
+                    self._cancel(identity, msg)
+                else:
+                    self._accept(identity, msg)
+            except Exception:  # noqa: BLE001 - the listener must outlive any one message
+                log.exception("side-channel message from %s not handled", msg.engine_id)
 
     async def _recv(self) -> tuple[bytes | None, bytes]:
         assert self._sock is not None
@@ -234,7 +237,15 @@ class Sender:
 
     async def _serve(self, identity: bytes, session: str, dst_regions: list[Region],
                      entry: m.ReqEntry) -> None:
-        ok, why = await self._push(session, dst_regions, entry)
+        try:
+            ok, why = await self._push(session, dst_regions, entry)
+        except Exception as exc:  # noqa: BLE001 - a bug must not strand blocks or D
+            log.exception("push of transfer %s failed unexpectedly", entry.transfer_id)
+            ok, why = False, f"internal error: {exc!r}"
+            t = self.by_transfer.get(entry.transfer_id)
+            if t is not None and t.fail(why, d_req=entry.d_req_id):
+                t.ready.set()
+                self._settle(t)
         resp = (m.TransferResponse(status=m.Status.FINISH, ok=[entry.d_req_id]) if ok else
                 m.TransferResponse(status=m.Status.FINISH, failed={entry.d_req_id: why}))
         await self._reply(identity, resp)

@@ -7,7 +7,10 @@ import asyncio
 import json
 import random
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -20,20 +23,26 @@ TEST_CONNECTOR = {"recv_timeout_s": 8, "send_timeout_s": 15, "cancel_grace_s": 2
 PREFILL_MAX_LEN = 1024
 
 
-@pytest.fixture(scope="session")
-def pd_node(tiny_model, tmp_path_factory):
-    spec = NodeSpec(model=tiny_model, prefill_port=free_port(), decode_port=free_port(),
-                    bootstrap_port=free_port(), proxy_port=free_port(),
-                    connector_extra=dict(TEST_CONNECTOR),
-                    # P accepts shorter prompts than D, so P can reject what D accepts.
-                    prefill_args=("--max-model-len", str(PREFILL_MAX_LEN)),
-                    log_dir=tmp_path_factory.mktemp("pd-node"))
-    node = LocalNode(spec)
+@contextmanager
+def running_node(tiny_model: Path, log_dir: Path, **spec: Any) -> Iterator[LocalNode]:
+    """A node of the tiny model on free ports, stopped afterwards whatever happens."""
+    spec.setdefault("connector_extra", dict(TEST_CONNECTOR))
+    node = LocalNode(NodeSpec(model=tiny_model, prefill_port=free_port(),
+                              decode_port=free_port(), bootstrap_port=free_port(),
+                              log_dir=log_dir, **spec))
     node.start(timeout=400)
     try:
         yield node
     finally:
         node.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_node(tiny_model, tmp_path_factory):
+    # P accepts shorter prompts than D, so P can reject what D accepts.
+    with running_node(tiny_model, tmp_path_factory.mktemp("pd-node"), proxy_port=free_port(),
+                      prefill_args=("--max-model-len", str(PREFILL_MAX_LEN))) as node:
+        yield node
 
 
 def token_prompt(n: int, seed: int) -> list[int]:

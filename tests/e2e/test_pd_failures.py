@@ -9,25 +9,16 @@ import urllib.request
 
 import pytest
 
-from appliance.localnode import LocalNode, NodeSpec
-from tests.conftest import free_port
-from tests.e2e.conftest import TEST_CONNECTOR, pd_request, plain_request, token_prompt
+from tests.e2e.conftest import TEST_CONNECTOR, pd_request, plain_request, running_node, token_prompt
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def doomed_node(tiny_model, tmp_path_factory):
-    spec = NodeSpec(model=tiny_model, prefill_port=free_port(), decode_port=free_port(),
-                    bootstrap_port=free_port(), bootstrap_ttl=3,
-                    connector_extra={**TEST_CONNECTOR, "register_interval_s": 1},
-                    log_dir=tmp_path_factory.mktemp("doomed-node"))
-    node = LocalNode(spec)
-    node.start(timeout=400)
-    try:
+    with running_node(tiny_model, tmp_path_factory.mktemp("doomed-node"), bootstrap_ttl=3,
+                      connector_extra={**TEST_CONNECTOR, "register_interval_s": 1}) as node:
         yield node
-    finally:
-        node.stop()
 
 
 async def test_prefill_killed_while_decode_waits(doomed_node, plain_server):
