@@ -28,8 +28,10 @@ def error_body(status: int, message: str, err_type: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-def json_error(status: int, message: str, err_type: str | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, err_type), status=status)
+def json_error(status: int, message: str, err_type: str | None = None,
+               headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, err_type), status=status,
+                             headers=headers)
 
 
 @web.middleware
@@ -40,8 +42,13 @@ async def json_errors_middleware(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise
-        reason = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-        if exc.status == 413:
+        if exc.status == 404:
+            reason = f"no route for {request.method} {request.path}"
+        elif exc.status == 405:
+            reason = f"method {request.method} not allowed on {request.path}"
+        elif exc.status == 413:
             limit = request.app.get(MAX_BODY_BYTES)
             reason = "request body too large" + (f" (limit {limit} bytes)" if limit else "")
+        else:
+            reason = exc.reason
         return json_error(exc.status, reason)

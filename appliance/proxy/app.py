@@ -20,11 +20,11 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
 from appliance.proxy.backends import Backend, Backends, HealthPoller, PrefillBackend
 from appliance.proxy.errors import (
     ProxyError,
-    json_error,
-    json_errors_middleware,
+    proxy_errors_middleware,
     sse_error_event,
     upstream_error_body,
 )
@@ -485,10 +485,11 @@ def _auth_middleware(proxy: Proxy) -> Any:
 def build_app(settings: ProxySettings) -> web.Application:
     """The proxy as an aiohttp app; run it with handler_cancellation=True (see serve())."""
     proxy = Proxy(settings)
-    middlewares = [json_errors_middleware]
+    middlewares = [json_errors_middleware, proxy_errors_middleware]
     if settings.api_keys:
         middlewares.append(_auth_middleware(proxy))
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[PROXY] = proxy
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)

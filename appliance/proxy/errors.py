@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from appliance.httperrors import error_body
+from appliance.httperrors import error_body, json_error
 
 
 class ProxyError(Exception):
@@ -21,13 +21,6 @@ class ProxyError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.err_type)
-
-
-def json_error(status: int, message: str, err_type: str | None = None,
-               headers: dict[str, str] | None = None) -> web.Response:
-    body = msgspec.json.encode(error_body(status, message, err_type))
-    return web.Response(status=status, body=body, content_type="application/json",
-                        headers=headers)
 
 
 def sse_error_event(status: int, message: str, err_type: str | None = None) -> bytes:
@@ -54,21 +47,10 @@ def upstream_error_body(status: int, raw: bytes, who: str) -> dict[str, Any]:
 
 
 @web.middleware
-async def json_errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """aiohttp's own errors (404, 405, 413 ...) and ProxyError as OpenAI-style JSON."""
+async def proxy_errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """ProxyError raised outside the generation handler, as OpenAI-style JSON (aiohttp's own
+    errors are made JSON by the shared json_errors_middleware behind this one)."""
     try:
         return await handler(request)
     except ProxyError as exc:
         return json_error(exc.status, exc.message, exc.err_type)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        if exc.status == 404:
-            message = f"no route for {request.method} {request.path}"
-        elif exc.status == 405:
-            message = f"method {request.method} not allowed on {request.path}"
-        elif exc.status == 413:
-            message = f"request body too large: {exc.text}"
-        else:
-            message = exc.reason
-        return json_error(exc.status, message)
