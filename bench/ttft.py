@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from appliance import tinymodel  # noqa: E402
 from appliance.process import ServiceProcess, cpu_env, vllm_serve_argv  # noqa: E402
+from appliance.proxy.split import COMPLETIONS, decode_body, prefill_body  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 KV_BYTES = str(768 * 2**20)  # room for 4 concurrent 2,000-token prompts of 48 KiB/token
@@ -153,13 +154,8 @@ async def one_request(http: aiohttp.ClientSession, setup: Setup, prompt: list[in
     if setup.plain_url:
         return await first_token_seconds(http, setup.plain_url, body)
     tid = f"xfer-{uuid.uuid4()}"
-    p_body = {**body, "max_tokens": 1, "stream": False,
-              "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                     "transfer_id": tid}}
-    d_body = {**body, "kv_transfer_params": {
-        "do_remote_decode": False, "do_remote_prefill": True,
-        "remote_bootstrap_addr": setup.bootstrap_url, "remote_engine_id": setup.engine_id,
-        "transfer_id": tid}}
+    p_body = prefill_body(body, COMPLETIONS, tid)
+    d_body = decode_body(body, tid, setup.bootstrap_url, setup.engine_id)
 
     async def prefill() -> None:
         async with http.post(setup.prefill_url + "/v1/completions", json=p_body) as r:

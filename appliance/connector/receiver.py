@@ -216,11 +216,14 @@ class Receiver:
 
     # --- cancellation, release, deadlines -------------------------------------------------
 
+    async def _send_cancel(self, peer: str, d_req_id: str, transfer_id: str) -> None:
+        msg = m.CancelRequest(engine_id=self.settings.engine_id,
+                              reqs=[m.CancelEntry(d_req_id, transfer_id)])
+        await self._peer(peer).send(m.encode_cancel(msg))
+
     async def _cancel(self, inc: Incoming) -> None:
         assert inc.peer is not None
-        msg = m.CancelRequest(engine_id=self.settings.engine_id,
-                              reqs=[m.CancelEntry(inc.d_req_id, inc.transfer_id)])
-        await self._peer(inc.peer).send(m.encode_cancel(msg))
+        await self._send_cancel(inc.peer, inc.d_req_id, inc.transfer_id)
         try:
             await asyncio.wait_for(inc.done.wait(), self.settings.cancel_grace_s)
         except asyncio.TimeoutError:
@@ -232,10 +235,7 @@ class Receiver:
         except BootstrapError as exc:
             log.info("release of %s not delivered: %s", spec.transfer_id, exc)
             return
-        msg = m.CancelRequest(engine_id=self.settings.engine_id,
-                              reqs=[m.CancelEntry(f"release-{spec.transfer_id}",
-                                                  spec.transfer_id)])
-        await self._peer(addr).send(m.encode_cancel(msg))
+        await self._send_cancel(addr, f"release-{spec.transfer_id}", spec.transfer_id)
 
     async def _deadline_loop(self) -> None:
         while True:
@@ -247,9 +247,8 @@ class Receiver:
                            f"{self.settings.recv_timeout_s:g}s ({inc.state.value})")
                     if inc.peer is not None and not inc.cancelled:
                         inc.cancelled = True
-                        asyncio.create_task(self._peer(inc.peer).send(m.encode_cancel(
-                            m.CancelRequest(engine_id=self.settings.engine_id, reqs=[
-                                m.CancelEntry(inc.d_req_id, inc.transfer_id)]))))
+                        asyncio.create_task(self._send_cancel(inc.peer, inc.d_req_id,
+                                                              inc.transfer_id))
                     self._finish(inc, ok=False, error=why)
                     if inc.peer is not None:
                         # The producer's address may be stale (restart): look it up again.

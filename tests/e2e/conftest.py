@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from appliance.localnode import LocalNode, NodeSpec
+from appliance.proxy.split import decode_body, prefill_body
 from tests.conftest import free_port
 
 # Short deadlines so failure paths finish quickly in tests.
@@ -61,19 +62,8 @@ async def pd_request(node: LocalNode, path: str, body: dict, *, p_extra: dict | 
                      send_p: bool = True) -> tuple[dict, dict | None]:
     """Split one request the way the proxy does (seeds steps 9-10) and send both at once."""
     transfer_id = transfer_id or f"xfer-{uuid.uuid4()}"
-    p = dict(p_body or body)
-    p.update(max_tokens=1, stream=False)
-    if "messages" in p:
-        p["max_completion_tokens"] = 1
-    p.pop("stream_options", None)
-    p["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                               "transfer_id": transfer_id}
-    p.update(p_extra or {})
-    d = dict(body)
-    d["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
-                               "remote_bootstrap_addr": node.spec.bootstrap_url,
-                               "remote_engine_id": node.spec.prefill_engine_id,
-                               "transfer_id": transfer_id}
+    p = {**prefill_body(p_body or body, path, transfer_id), **(p_extra or {})}
+    d = decode_body(body, transfer_id, node.spec.bootstrap_url, node.spec.prefill_engine_id)
     async with aiohttp.ClientSession() as http:
         d_task = asyncio.create_task(post_json(http, node.spec.decode_url + path, d))
         p_result = None

@@ -46,22 +46,21 @@ async def test_two_hosts_equal_plain_server(tiny_model, plain_server, tmp_path):
         spec_d = NodeSpec(model=tiny_model, host=ip_d, bootstrap_port=8998,
                           connector_extra=dict(TEST_CONNECTOR))
         bootstrap = f"http://{ip_p}:8998"
+        def vllm(name: str, ns: str, ip: str, port: int, spec: NodeSpec, role: str,
+                 cpu: int) -> ServiceProcess:
+            config = spec.kv_transfer_config(role).replace(spec.bootstrap_url, bootstrap)
+            argv = vllm_serve_argv(tiny_model, port, host=ip, served_model_name="tiny",
+                                   block_size=CPU_BLOCK_SIZE, max_model_len=2048,
+                                   extra=CPU_SERVE_FLAGS, kv_transfer_config=config)
+            return ServiceProcess(name, in_ns(ns, argv), tmp_path / f"{name}.log",
+                                  env=cpu_env(str(cpu), ip), cpus=[cpu])
+
         services = [
             ServiceProcess("bootstrap", in_ns(ns_p, [sys.executable, "-m", "appliance.bootstrap",
                                                      "--host", ip_p, "--port", "8998"]),
                            tmp_path / "bootstrap.log"),
-            ServiceProcess("prefill", in_ns(ns_p, vllm_serve_argv(
-                tiny_model, 8010, host=ip_p, served_model_name="tiny",
-                block_size=CPU_BLOCK_SIZE, max_model_len=2048, extra=CPU_SERVE_FLAGS,
-                kv_transfer_config=spec_p.kv_transfer_config("kv_producer").replace(
-                    spec_p.bootstrap_url, bootstrap))),
-                tmp_path / "prefill.log", env=cpu_env("0", ip_p), cpus=[0]),
-            ServiceProcess("decode", in_ns(ns_d, vllm_serve_argv(
-                tiny_model, 8020, host=ip_d, served_model_name="tiny",
-                block_size=CPU_BLOCK_SIZE, max_model_len=2048, extra=CPU_SERVE_FLAGS,
-                kv_transfer_config=spec_d.kv_transfer_config("kv_consumer").replace(
-                    spec_d.bootstrap_url, bootstrap))),
-                tmp_path / "decode.log", env=cpu_env("1", ip_d), cpus=[1]),
+            vllm("prefill", ns_p, ip_p, 8010, spec_p, "kv_producer", 0),
+            vllm("decode", ns_d, ip_d, 8020, spec_d, "kv_consumer", 1),
         ]
         for svc in services:
             svc.start()

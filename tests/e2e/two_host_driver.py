@@ -9,7 +9,8 @@ import sys
 import time
 import urllib.request
 
-from tests.e2e.conftest import post_json  # noqa: F401 - shared helper
+from appliance.proxy.split import COMPLETIONS, decode_body, prefill_body
+from tests.e2e.conftest import post_json
 
 
 async def main(args: dict) -> None:
@@ -35,12 +36,8 @@ async def main(args: dict) -> None:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
                     "return_token_ids": True}
             tid = f"xfer-{uuid.uuid4()}"
-            p_body = {**body, "max_tokens": 1, "kv_transfer_params": {
-                "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}}
-            d_body = {**body, "kv_transfer_params": {
-                "do_remote_decode": False, "do_remote_prefill": True,
-                "remote_bootstrap_addr": args["bootstrap"], "remote_engine_id": "prefill-0",
-                "transfer_id": tid}}
+            p_body = prefill_body(body, COMPLETIONS, tid)
+            d_body = decode_body(body, tid, args["bootstrap"], "prefill-0")
             d_task = asyncio.create_task(post_json(http, args["decode"] + "/v1/completions",
                                                    d_body))
             p_status, _ = await post_json(http, args["prefill"] + "/v1/completions", p_body)
