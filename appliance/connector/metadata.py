@@ -49,7 +49,3 @@ class PDConnectorMetadata(KVConnectorMetadata):
     # Consumer: transfers that will never be pulled (request ended before it was
     # scheduled, or a full local prefix hit): the producer may free them now.
     releases: list[ReleaseSpec] = field(default_factory=list)
-
-    def is_empty(self) -> bool:
-        return not (self.ready_sends or self.finished_sends or self.aborted_sends
-                    or self.recvs or self.cancelled_recvs or self.releases)

@@ -288,6 +288,3 @@ class Receiver:
             peer.close()
         for client in self._clients.values():
             await client.close()
-
-    def in_flight(self) -> int:
-        return len(self.incoming)

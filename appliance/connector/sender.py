@@ -371,8 +371,6 @@ class Sender:
                 if t.d_req_id is None:
                     self._settle(t)
 
-    def in_flight(self) -> int:
-        return len(self.by_req)
 
 
 def _write(transport: MooncakeTransport, fence: Callable[[], None] | None, session: str,
