@@ -11,6 +11,7 @@ D runs in its own process, P in another, over Mooncake TCP on loopback:
 Each configuration (MC_TCP_SLICE_SIZE unset / 1 MiB) gets fresh engines. Also a fragmented
 case: random, mostly non-consecutive block tables (one descriptor per block and region).
 Usage: .venv/bin/python bench/transfer.py [--reps 7] [--layers 36] [--blocks 63]
+       [--device cuda]  (on a GPU host: both caches in GPU memory; memcpy is a GPU gather)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Shape:
     blocks: int  # blocks moved per transfer
     p_first: int
     d_first: int
+    device: str = "cpu"  # cuda: GPU memory on both sides (Mooncake's CUDA build)
 
     @property
     def chunk(self) -> int:  # bytes per block per layer: K and V, bf16
@@ -59,13 +61,14 @@ class Shape:
         return self.layers * self.blocks * self.chunk
 
 
-def cpu_cache(shape: Shape, num_blocks: int, fill: bool) -> tuple[Any, list[Any]]:
-    """vLLM's CPU layout: one buffer, each layer a [blocks, heads, block_size, 2*dim] view."""
+def kv_cache(shape: Shape, num_blocks: int, fill: bool) -> tuple[Any, list[Any]]:
+    """vLLM's LBHNC layout: one buffer, each layer a [blocks, heads, block_size, 2*dim] view."""
     import torch
 
     buf = torch.empty(shape.layers * num_blocks * shape.chunk, dtype=torch.uint8)
     if fill:
         buf.random_(0, 256, generator=torch.Generator().manual_seed(0))
+    buf = buf.to(shape.device)
     layers = [
         c.view(torch.bfloat16).view(
             num_blocks, shape.kv_heads, shape.block_size, 2 * shape.head_dim
@@ -88,7 +91,7 @@ def d_main(conn: Connection, shape: Shape, core: int | None = None) -> None:
 
     transport = MooncakeTransport()
     session = transport.start("127.0.0.1", "tcp")
-    _buf, layers = cpu_cache(shape, shape.d_blocks, fill=False)
+    _buf, layers = kv_cache(shape, shape.d_blocks, fill=False)
     infos = [TensorInfo.from_tensor(t) for t in layers]
     transport.register(registration_spans(infos))
     regions = [r for i in infos for r in i.regions(shape.d_blocks, 0)]
@@ -113,7 +116,7 @@ class PSide:
         self.shape, self.d_session, self.d_regions = shape, d_session, d_regions
         self.transport = MooncakeTransport()
         self.transport.start("127.0.0.1", "tcp")
-        self.buf, self.layers = cpu_cache(shape, shape.p_blocks, fill=True)
+        self.buf, self.layers = kv_cache(shape, shape.p_blocks, fill=True)
         infos = [TensorInfo.from_tensor(t) for t in self.layers]
         spans = registration_spans(infos)
         self.transport.register(spans)
@@ -121,7 +124,7 @@ class PSide:
         self.raw = TransferEngine()  # a second engine: raw Mooncake, none of our code
         assert self.raw.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert self.raw.batch_register_memory([a for a, _ in spans], [n for _, n in spans]) == 0
-        self.sink = torch.empty(shape.nbytes, dtype=torch.uint8)
+        self.sink = torch.empty(shape.nbytes, dtype=torch.uint8, device=shape.device)
         self.plan_s: list[float] = []
 
     def hand_descriptors(self, src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -171,6 +174,8 @@ class PSide:
                 out.copy_(layer[src[0] : src[0] + len(src)])
             else:  # a gather: the same bytes the fragmented transfer moves
                 torch.index_select(layer, 0, idx, out=out)
+        if self.shape.device != "cpu":
+            torch.cuda.synchronize()
 
     def measure(self, src: list[int], dst: list[int], reps: int, deadline: float) -> dict:
         import torch
@@ -185,7 +190,7 @@ class PSide:
             tuple(map(list, zip(*hand[i : i + 1024], strict=True)))
             for i in range(0, len(hand), 1024)
         ]
-        idx = torch.tensor(src)
+        idx = torch.tensor(src, device=self.shape.device)
         methods = {
             "ours": lambda: self.ours(src, dst),
             "raw": lambda: self.rawwrite(batches),
@@ -295,6 +300,8 @@ def main() -> None:
         "(default: default and 1048576)",
     )
     ap.add_argument("--pin", action="store_true", help="pin P to core 0 and D to core 1")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where both KV caches live (cuda needs Mooncake's CUDA build)")
     args = ap.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -307,12 +314,14 @@ def main() -> None:
         args.blocks,
         args.p_first,
         args.d_first,
+        args.device,
     )
     slices = args.slice or ["default", "1048576"]
     start = time.perf_counter()
     table = Table(
         title=f"KV transfer, {shape.layers} layers x {shape.blocks} blocks = "
-        f"{shape.nbytes / MiB:.2f} MiB, Mooncake TCP loopback, P and D processes"
+        f"{shape.nbytes / MiB:.2f} MiB in {shape.device} memory, Mooncake TCP loopback, "
+        "P and D processes"
     )
     for col in (
         "table",

@@ -148,7 +148,8 @@ def regions_from_layout(
     Dimensions with a larger stride than the block dimension are *outer*: each combination of
     their indices is a separate region, in logical index order (so P and D pair regions the same
     way even when their physical orders differ). Dimensions with a smaller stride are *inner*:
-    together they must be dense and form one block's chunk, in any physical order (HND or NHD).
+    the dense ones form one block's chunk, in any physical order (HND or NHD); an inner
+    dimension with a gap below it splits the block into one chunk per index (more regions).
     """
     ndim = len(shape)
     if len(strides) != ndim:
@@ -184,18 +185,29 @@ def regions_from_layout(
         else:
             raise LayoutError(f"dimension {d} has the same stride as the block dimension")
 
-    block_bytes = elem_size
+    # The densest inner dimensions form one block's chunk; an inner dimension with a gap
+    # below it (e.g. heads in BHLNC, where the other layers sit between) starts separate
+    # chunks, so it and every larger inner dimension become outer ones (more regions).
+    block_bytes = extent = elem_size
+    dense = True
     for d in sorted(inner, key=lambda d: strides[d]):
-        if strides[d] * elem_size != block_bytes:
+        stride = strides[d] * elem_size
+        if stride < extent:
             raise LayoutError(
-                f"inner dimensions of shape {tuple(shape)} strides {tuple(strides)} are not "
-                f"dense: dimension {d} has stride {strides[d]}, expected {block_bytes // elem_size}"
+                f"inner dimensions of shape {tuple(shape)} strides {tuple(strides)} overlap: "
+                f"dimension {d} has stride {strides[d]} within {extent // elem_size} elements"
             )
-        block_bytes *= shape[d]
+        dense = dense and stride == block_bytes
+        if dense:
+            block_bytes *= shape[d]
+        else:
+            outer.append(d)
+        extent += (shape[d] - 1) * stride
+    outer.sort()  # logical index order, whatever the physical one
     if num_blocks == 1:
         block_stride = block_bytes  # one block: the stride is never used
-    elif block_stride < block_bytes:
-        raise LayoutError(f"blocks overlap: stride {block_stride} B < block of {block_bytes} B")
+    elif block_stride < extent:
+        raise LayoutError(f"blocks overlap: stride {block_stride} B < block of {extent} B")
 
     regions = []
     for index in itertools.product(*(range(shape[d]) for d in outer)):

@@ -65,13 +65,14 @@ def compute_fence(device: Any) -> Callable[[], None] | None:
     """Something to wait on until the KV written by this step's forward really exists.
 
     On the CPU the forward has returned, so the KV is there. On a GPU the kernels may still
-    run: record an event on the current stream and let the push thread wait for it.
+    run: record an event on the current stream and let the push thread wait for it. A
+    blocking-sync event lets that thread sleep instead of spinning a core meanwhile.
     """
     if getattr(device, "type", "cpu") != "cuda":
         return None
     import torch
 
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record()
     return event.synchronize
 

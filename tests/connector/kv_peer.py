@@ -1,4 +1,4 @@
-"""A KV peer for the transport tests: one process owning CPU KV caches and a MooncakeTransport.
+"""A KV peer for the transport tests: one process owning KV caches and a MooncakeTransport.
 
 The test process drives a P peer and a D peer over multiprocessing pipes. Cache contents come
 from a seeded generator, so D can rebuild P's cache locally and check every byte it received
@@ -28,6 +28,7 @@ class KVSpec:
     head_dim: int = 64
     layout: str = "cpu"  # cpu | interleaved | flash
     seed: int = 0
+    device: str = "cpu"  # cuda: GPU memory (tests/gpu), through Mooncake's CUDA build
 
     @property
     def block_dim(self) -> int:
@@ -43,17 +44,23 @@ class KVSpec:
 def make_caches(spec: KVSpec) -> tuple[list[Any], list[Any]]:
     """(storages, per-layer tensors) filled with the pattern that ``spec.seed`` fixes.
 
-    cpu: vLLM's CPU layout, every layer a view into one buffer (facts file).
-    interleaved: one buffer [num_blocks, layers, ...], so a layer's blocks do not touch.
-    flash: one [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer.
+    cpu: vLLM 0.32's LBHNC, every layer a [B, H, N, C] view into one buffer (facts file).
+    interleaved: vLLM 0.32's BLHNC, one buffer [num_blocks, layers, ...], so a layer's
+    blocks do not touch.
+    flash: the legacy flash-attention layout, one [2, num_blocks, block_size, kv_heads,
+    head_dim] tensor per layer.
+    The pattern is drawn on the CPU and copied, so both devices hold the same bytes.
     """
     import torch
 
     s = spec
     bf16 = torch.bfloat16
+    dev = torch.device(s.device)
     if s.layout == "cpu":
         buf = torch.empty(
-            s.layers * s.num_blocks * s.kv_heads * s.block_size * 2 * s.head_dim, dtype=bf16
+            s.layers * s.num_blocks * s.kv_heads * s.block_size * 2 * s.head_dim,
+            dtype=bf16,
+            device=dev,
         )
         storages = [buf]
         layers = [
@@ -62,13 +69,16 @@ def make_caches(spec: KVSpec) -> tuple[list[Any], list[Any]]:
         ]
     elif s.layout == "interleaved":
         buf = torch.empty(
-            s.num_blocks, s.layers, s.kv_heads, s.block_size, 2 * s.head_dim, dtype=bf16
+            s.num_blocks, s.layers, s.kv_heads, s.block_size, 2 * s.head_dim, dtype=bf16,
+            device=dev,
         )
         storages = [buf]
         layers = [buf[:, i] for i in range(s.layers)]
     elif s.layout == "flash":
         storages = [
-            torch.empty(2, s.num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype=bf16)
+            torch.empty(
+                2, s.num_blocks, s.block_size, s.kv_heads, s.head_dim, dtype=bf16, device=dev
+            )
             for _ in range(s.layers)
         ]
         layers = storages
@@ -78,6 +88,8 @@ def make_caches(spec: KVSpec) -> tuple[list[Any], list[Any]]:
     for storage in storages:
         raw = storage.view(-1).view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return storages, layers
 
 
@@ -123,7 +135,7 @@ def serve(
     regions = [r for i in infos for r in i.regions(spec.num_blocks, spec.block_dim)]
     spans = spans_of(infos)
     transport.register(spans)
-    canary = torch.full((1 << 16,), 0xAB, dtype=torch.uint8)  # never registered
+    canary = torch.full((1 << 16,), 0xAB, dtype=torch.uint8, device=spec.device)  # unregistered
     conn.send(("ready", session, [astuple(r) for r in regions], canary.data_ptr(), spans))
 
     def write(session: str, descs: Any, max_batch: int) -> tuple:
@@ -157,6 +169,7 @@ def serve(
             expected_storages, expected = make_caches(spec)
             src_ids = src_ids[len(src_ids) - len(dst_ids) :]
             for want, theirs in zip(expected, p_layers, strict=True):
+                theirs = theirs.to(want.device)  # P's cache may live on another device
                 if spec.block_dim == 0:
                     want[dst_ids] = theirs[src_ids]
                 else:

@@ -119,7 +119,7 @@ def test_explicit_block_dim_resolves_ambiguity() -> None:
         ((10, 4, 16), (64, 16), 10, None, "differ in length"),
         ((10, 4, 16), (64, 16, 1), 10, 3, "out of range"),
         ((10, 4, 16), (64, 16, 1), 10, 1, "has size 4"),
-        ((10, 4, 16), (128, 32, 1), 10, None, "not dense"),  # padded rows
+        ((10, 4, 16), (64, 8, 1), 10, None, "overlap"),  # rows overlapping each other
         ((10, 4, 16), (32, 16, 1), 10, None, "overlap"),  # block stride below block size
         ((10, 4, 16), (64, 0, 1), 10, None, "alias"),  # broadcast view
         ((10, 4, 16), (0, 16, 1), 10, None, "non-positive"),
@@ -129,6 +129,22 @@ def test_explicit_block_dim_resolves_ambiguity() -> None:
 def test_impossible_layouts_are_rejected(shape, strides, num_blocks, block_dim, match) -> None:
     with pytest.raises(LayoutError, match=match):
         regions_from_layout(0, shape, strides, 2, num_blocks, block_dim)
+
+
+def test_gaps_inside_a_block_split_it_into_chunks() -> None:
+    """Padded rows, or heads with other layers' heads between them (vLLM's BHLNC): one
+    region per row/head, each block of it one dense chunk."""
+    regions = regions_from_layout(0, (10, 4, 16), (128, 32, 1), 2, 10)  # rows padded to 32
+    assert [(r.base_addr, r.block_stride, r.block_bytes) for r in regions] == [
+        (i * 64, 256, 32) for i in range(4)
+    ]
+    nb, h, n, c, layers = 10, 4, 16, 64, 3  # BHLNC: physical [B, H, L, N, C], layer 1's view
+    strides = (h * layers * n * c, layers * n * c, c, 1)
+    regions = regions_from_layout(1 * n * c * 2, (nb, h, n, c), strides, 2, nb)
+    assert len(regions) == h and not any(r.contiguous for r in regions)
+    assert [r.base_addr for r in regions] == [(1 * n * c + i * layers * n * c) * 2
+                                               for i in range(h)]
+    assert {r.block_bytes for r in regions} == {n * c * 2}
 
 
 def test_region_rejects_impossible_geometry() -> None:

@@ -28,12 +28,12 @@ from appliance.connector.worker import kv_regions
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 4, 64, 2, 16, 32
 
 
-def make_caches(fill: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-    """vLLM's CPU layout: per layer [blocks, kv_heads, block, 2*head_dim], one buffer."""
+def make_caches(fill: bool, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """vLLM's LBHNC layout: per layer [blocks, kv_heads, block, 2*head_dim], one buffer."""
     per_layer = BLOCKS * HEADS * BLOCK * 2 * HEAD_DIM
     g = torch.Generator().manual_seed(seed)
     buf = (torch.randn(LAYERS * per_layer, generator=g) if fill
-           else torch.zeros(LAYERS * per_layer)).to(torch.bfloat16)
+           else torch.zeros(LAYERS * per_layer)).to(device=device, dtype=torch.bfloat16)
     return {f"model.layers.{i}.self_attn.attn":
             buf[i * per_layer:(i + 1) * per_layer].view(BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM)
             for i in range(LAYERS)}
@@ -56,10 +56,10 @@ class Side:
 class Pair:
     """One producer and one consumer worker side sharing the test's event loop."""
 
-    def __init__(self, bootstrap_url: str, **overrides) -> None:
+    def __init__(self, bootstrap_url: str, device: str = "cpu", **overrides) -> None:
         self.url = bootstrap_url
-        self.p = Side(make_caches(True))
-        self.d = Side(make_caches(False))
+        self.p = Side(make_caches(True, device=device))
+        self.d = Side(make_caches(False, device=device))
         common = {"bootstrap_addr": bootstrap_url, "host": "127.0.0.1",
                   "register_interval_s": 0.5, "send_timeout_s": 3, "recv_timeout_s": 3,
                   "cancel_grace_s": 1, **overrides}

@@ -22,11 +22,19 @@ SKIP_DIRS = {".git", ".venv", ".cache", "node_modules", "__pycache__", ".pytest_
 
 
 def repo_files() -> list[Path]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
-        out += [Path(dirpath) / f for f in filenames]
-    return out
+    """The repository's files: tracked or new, not ignored (local scratch stays out)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"],
+                                cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk it
+        out = []
+        for dirpath, dirnames, filenames in os.walk(ROOT):
+            dirnames[:] = [d for d in dirnames
+                           if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+            out += [Path(dirpath) / f for f in filenames]
+        return out
+    paths = (ROOT / name for name in listed.decode().split("\0") if name)
+    return [p for p in paths if p.is_file()]
 
 
 def dockerfiles() -> list[Path]:
