@@ -163,7 +163,9 @@ class Receiver:
 
     async def _resolve(self, bootstrap: str, engine_id: str) -> str:
         key = (bootstrap, engine_id)
-        if key not in self._engines:
+        if self.tp_rank not in self._engines.get(key, {}):
+            # Unknown, or cached before this rank's producer worker registered (TP ranks
+            # register one by one): ask the sidecar again.
             pending = self._lookups.get(key)
             if pending is None:
                 pending = self._lookups[key] = asyncio.ensure_future(self._query(bootstrap))

@@ -332,3 +332,61 @@ async def test_no_write_after_the_decode_deadline(pair, dealer):
     resp = await ask
     assert "deadline" in resp.failed["d1"]
     pair.assert_untouched()
+
+
+async def test_tensor_parallel_rank_i_sends_to_rank_i(bootstrap_url):
+    """TP=2 on both sides: each rank holds its own heads' KV; D's rank r pulls from P's
+    rank r only, found through the sidecar even when that rank registered after the first
+    lookup."""
+    common = {"bootstrap_addr": bootstrap_url, "host": "127.0.0.1", "register_interval_s": 0.5,
+              "send_timeout_s": 5, "recv_timeout_s": 5}
+    p_settings = ConnectorSettings(engine_id="p0", role="producer", **common)
+    d_settings = ConnectorSettings(engine_id="d0", role="consumer", **common)
+    ps = [Side(make_caches(True, seed=10 + r)) for r in range(2)]
+    ds = [Side(make_caches(False)) for _ in range(2)]
+    senders = [Sender(p_settings, ps[r].transport, ps[r].regions, "127.0.0.1", r, 2, 0,
+                      ps[r].stats) for r in range(2)]
+    receivers = [Receiver(d_settings, ds[r].transport, ds[r].regions, "127.0.0.1", r, 2,
+                          ds[r].stats) for r in range(2)]
+    from appliance.bootstrap.client import BootstrapClient
+    client = BootstrapClient(bootstrap_url)
+    try:
+        async def registered(rank: int) -> None:
+            for _ in range(100):
+                answer = await client.query()
+                if "0" in answer and str(rank) in answer["0"].worker_addr:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"rank {rank} never registered")
+
+        await senders[0].start()
+        await registered(0)
+        receivers[1].on_recv("d0", RecvSpec("x0", [1], "p0", bootstrap_url))  # rank 1 not up
+        for _ in range(250):
+            done, failed = receivers[1].take_results()
+            if done:
+                break
+            await asyncio.sleep(0.02)
+        assert (done, failed) == ({"d0"}, {"d0"})
+        await senders[1].start()
+        await registered(1)  # D's rank 1 must look again, not trust its first answer
+        for r in range(2):
+            receivers[r].on_recv("d1", RecvSpec("x1", [10, 11], "p0", bootstrap_url))
+            senders[r].on_ready("p1", "x1", [3, 4], None)
+        for r in range(2):
+            for _ in range(250):
+                done, failed = receivers[r].take_results()
+                if done:
+                    break
+                await asyncio.sleep(0.02)
+            assert (done, failed) == ({"d1"}, set()), r
+            for layer in range(LAYERS):
+                for s, d in ((3, 10), (4, 11)):
+                    assert torch.equal(ds[r].block(layer, d), ps[r].block(layer, s))
+                    assert not torch.equal(ds[r].block(layer, d), ps[1 - r].block(layer, s))
+    finally:
+        await client.close()
+        for side in (*senders, *receivers):
+            await side.close()
+        for side in (*ps, *ds):
+            side.transport.close()
