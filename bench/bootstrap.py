@@ -88,7 +88,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     for name, conc, rps, p50, p99 in rows:
         table.add_row(name, str(conc), f"{rps:,.0f}", f"{p50:.2f}", f"{p99:.2f}")
-    Console().print(table)
+    Console(width=150).print(table)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@ MooncakeConnector as the peer, all measured in this one run (real vLLM, CPU buil
 Mooncake over TCP loopback, the larger-KV tiny model: 48 KiB of KV per token).
 
     .venv/bin/python bench/ttft.py [--sizes 128,512,2000] [--repeats 5] [--concurrency 1,4]
+        [--compare-late] [--compare-immediate] [--skip-builtin]
 
-Each setup runs alone (P pinned to CPU 0, D to CPU 1; the plain server to CPU 0), with a
-fresh prompt per request so no prefix cache helps. Added TTFT = setup's median TTFT minus
-the plain server's at the same size and concurrency.
+Every setup is up at once (P pinned to CPU 0, D to CPU 1; the plain server to CPU 0; an
+idle server's workers stop polling a second after their last step) and they take turns on the same fresh prompts, round by round, so no
+prefix cache helps and drift on this shared machine hits all alike. Added TTFT = setup's
+median TTFT minus the plain server's at the same size and concurrency.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -34,8 +37,11 @@ from appliance.process import ServiceProcess, cpu_env, vllm_serve_argv  # noqa: 
 from appliance.proxy.split import COMPLETIONS, decode_body, prefill_body  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
-KV_BYTES = str(768 * 2**20)  # room for 4 concurrent 2,000-token prompts of 48 KiB/token
+KV_BYTES = str(512 * 2**20)  # room for 4 concurrent 2,000-token prompts of 48 KiB/token
 FLAGS = ("--enforce-eager", "--kv-cache-memory-bytes", KV_BYTES)
+# vLLM's workers busy-poll for 1 s after their last step; wait that out between turns so
+# one setup's idle servers never compete with the next setup's measurement.
+SETTLE_S = 1.5
 console = Console(stderr=True)
 
 
@@ -80,11 +86,15 @@ def plain_setup(model: Path, log_dir: Path) -> Setup:
                  plain_url=f"http://127.0.0.1:{port}")
 
 
-def ours_setup(model: Path, log_dir: Path, early_push: bool = True) -> Setup:
+def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
+               cpu_push_delay_ms: float | None = None) -> Setup:
     bport, pport, dport = free_port(), free_port(), free_port()
+    name = "ours" if early_push else "ours-late"
+    if cpu_push_delay_ms is not None:
+        name = f"ours-delay{cpu_push_delay_ms:g}"
     boot = ServiceProcess("bootstrap", [sys.executable, "-m", "appliance.bootstrap", "--host",
                                         "127.0.0.1", "--port", str(bport)],
-                          log_dir / "bootstrap.log",
+                          log_dir / f"{name}-bootstrap.log",
                           health_url=f"http://127.0.0.1:{bport}/health")
 
     def cfg(role: str, engine: str) -> dict:
@@ -92,8 +102,9 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True) -> Setup:
                 "kv_role": role, "engine_id": engine, "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"bootstrap_addr": f"http://127.0.0.1:{bport}",
                                               "protocol": "tcp", "host": "127.0.0.1",
-                                              "early_push": early_push}}
-    name = "ours" if early_push else "ours-late"
+                                              "early_push": early_push,
+                                              **({"cpu_push_delay_ms": cpu_push_delay_ms}
+                                                 if cpu_push_delay_ms is not None else {})}}
     return Setup(name, [boot,
                         serve(f"{name}-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0")),
                         serve(f"{name}-d", model, dport, (1,), log_dir,
@@ -167,40 +178,50 @@ async def one_request(http: aiohttp.ClientSession, setup: Setup, prompt: list[in
     return ttft
 
 
-async def measure(setup: Setup, sizes: list[int], concurrency: list[int], repeats: int,
-                  seed: int, request_timeout: float
-                  ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], int]]:
-    """Median TTFT per (size, concurrency), and how many requests got no first token
-    within request_timeout (a stuck transfer)."""
+async def measure(setups: list[Setup], sizes: list[int], concurrency: list[int],
+                  repeats: int, seed: int, request_timeout: float
+                  ) -> tuple[dict[str, dict[tuple[int, int], float]],
+                             dict[str, dict[tuple[int, int], int]]]:
+    """Median TTFT per setup and (size, concurrency), and how many requests got no first
+    token within request_timeout (a stuck transfer).
+
+    Every setup is up at once and they take turns, round by round, on the same prompts,
+    the order rotating each round: a noisy neighbour or a slow minute on this shared
+    machine hits every setup alike instead of whichever happened to run then.
+    """
     rng = random.Random(seed)
-    results: dict[tuple[int, int], float] = {}
-    stuck: dict[tuple[int, int], int] = {}
+    samples: dict[str, dict[tuple[int, int], list[float]]] = {s.name: {} for s in setups}
+    stuck: dict[str, dict[tuple[int, int], int]] = {s.name: {} for s in setups}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-        async def timed(prompt: list[int]) -> float | None:
+        async def timed(setup: Setup, prompt: list[int]) -> float | None:
             try:
                 return await asyncio.wait_for(one_request(http, setup, prompt),
                                               request_timeout)
             except asyncio.TimeoutError:
                 return None
 
-        await timed([rng.randrange(3, 2000) for _ in range(64)])  # warm up
+        for setup in setups:  # warm up
+            await timed(setup, [rng.randrange(3, 2000) for _ in range(64)])
         for size in sizes:
             for conc in concurrency:
-                samples, failed = [], 0
-                for _ in range(repeats):
+                key = (size, conc)
+                for rnd in range(repeats):
                     prompts = [[rng.randrange(3, 2000) for _ in range(size)]
                                for _ in range(conc)]
-                    times = await asyncio.gather(*(timed(p) for p in prompts))
-                    ok = [t for t in times if t is not None]
-                    failed += len(times) - len(ok)
-                    if ok:
-                        samples.append(statistics.mean(ok))
-                key = (size, conc)
-                results[key] = statistics.median(samples) if samples else float("nan")
-                stuck[key] = failed
-                console.log(f"{setup.name}: {size} tokens x{conc}: "
-                            f"{results[key] * 1e3:.1f} ms" + (f", {failed} stuck" if failed
-                                                             else ""))
+                    turn = rnd % len(setups)
+                    for setup in setups[turn:] + setups[:turn]:
+                        await asyncio.sleep(SETTLE_S)  # the last setup's workers go idle
+                        times = await asyncio.gather(*(timed(setup, p) for p in prompts))
+                        ok = [t for t in times if t is not None]
+                        stuck[setup.name][key] = (stuck[setup.name].get(key, 0)
+                                                  + len(times) - len(ok))
+                        if ok:
+                            samples[setup.name].setdefault(key, []).append(statistics.mean(ok))
+                console.log(f"{size} tokens x{conc}: " + ", ".join(
+                    f"{s.name} {statistics.median(samples[s.name][key]) * 1e3:.1f} ms"
+                    if samples[s.name].get(key) else f"{s.name} -" for s in setups))
+    results = {name: {key: statistics.median(v) for key, v in per.items()}
+               for name, per in samples.items()}
     return results, stuck
 
 
@@ -213,10 +234,16 @@ def main() -> None:
     parser.add_argument("--skip-builtin", action="store_true")
     parser.add_argument("--compare-late", action="store_true",
                         help="also run ours with early_push=false (the reference's timing)")
+    parser.add_argument("--compare-immediate", action="store_true",
+                        help="also run ours with cpu_push_delay_ms=0 (push right after the "
+                        "forward even on CPU)")
     parser.add_argument("--request-timeout", type=float, default=60.0,
                         help="seconds after which a request without a first token is stuck")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-ttft"))
     args = parser.parse_args()
+    # A kill (timeout, Ctrl-C from a wrapper) still stops every server: they run in their
+    # own sessions and would outlive us.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [int(x) for x in args.sizes.split(",")]
     conc = [int(x) for x in args.concurrency.split(",")]
     model = tinymodel.build(ROOT / ".cache" / "models" / "kvbench", "kvbench")
@@ -225,43 +252,48 @@ def main() -> None:
     makers = [plain_setup, ours_setup]
     if args.compare_late:
         makers.append(lambda model, log_dir: ours_setup(model, log_dir, early_push=False))
+    if args.compare_immediate:
+        makers.append(lambda model, log_dir: ours_setup(model, log_dir, cpu_push_delay_ms=0))
     if not args.skip_builtin:
         makers.append(builtin_setup)
-    results: dict[str, dict[tuple[int, int], float]] = {}
-    stuck: dict[str, dict[tuple[int, int], int]] = {}
-    for make in makers:
-        setup = make(model, args.log_dir)
-        console.log(f"starting {setup.name}")
-        setup.start()
-        try:
+    setups = [make(model, args.log_dir) for make in makers]
+    started: list[Setup] = []
+    try:
+        for setup in setups:  # all up at once: they take turns (see measure)
+            console.log(f"starting {setup.name}")
+            setup.start()
+            started.append(setup)
             asyncio.run(discover_engine(setup))
-            results[setup.name], stuck[setup.name] = asyncio.run(
-                measure(setup, sizes, conc, args.repeats, 1, args.request_timeout))
-        finally:
+        results, stuck = asyncio.run(
+            measure(setups, sizes, conc, args.repeats, 1, args.request_timeout))
+    finally:
+        for setup in reversed(started):
             setup.stop()
 
     table = Table(title="TTFT (median ms); added = setup - plain, same run")
     for col in ("prompt tokens", "conc", "KV MiB", "plain", "ours", "ours added",
-                "ours-late added", "built-in", "built-in added", "ours/built-in added"):
+                "ours-late added", "ours-delay0 added", "built-in", "built-in added",
+                "ours/built-in added"):
         table.add_column(col, justify="right")
     kv_per_token = tinymodel.SIZES["kvbench"].kv_bytes_per_token()
     for size in sizes:
         for c in conc:
-            plain = results["plain"][(size, c)]
-            ours = results["ours"][(size, c)]
+            plain = results["plain"].get((size, c), float("nan"))
+            ours = results["ours"].get((size, c), float("nan"))
             row = [str(size), str(c), f"{size * kv_per_token / 2**20:.1f}",
                    f"{plain * 1e3:.1f}", f"{ours * 1e3:.1f}", f"{(ours - plain) * 1e3:.1f}"]
-            late = results.get("ours-late", {}).get((size, c))
-            row.append(f"{(late - plain) * 1e3:.1f}" if late is not None else "-")
+            for variant in ("ours-late", "ours-delay0"):
+                other = results.get(variant, {}).get((size, c))
+                row.append(f"{(other - plain) * 1e3:.1f}" if other is not None else "-")
             if "builtin" in results:
-                builtin = results["builtin"][(size, c)]
+                builtin = results["builtin"].get((size, c), float("nan"))
                 added_b = builtin - plain
                 ratio = (ours - plain) / added_b if added_b > 0 else float("nan")
                 row += [f"{builtin * 1e3:.1f}", f"{added_b * 1e3:.1f}", f"{ratio:.2f}"]
             else:
                 row += ["-", "-", "-"]
             table.add_row(*row)
-    Console().print(table)
+    Console(width=150).print(table)
     for name, counts in stuck.items():
         for (size, c), n in counts.items():
             if n:

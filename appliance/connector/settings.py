@@ -52,6 +52,11 @@ class ConnectorSettings(BaseModel):
     # (wait_for_save), one scheduler step earlier than the reference, which waits for the
     # request to finish (seeds step 26). False reproduces the reference's timing.
     early_push: bool = True
+    # Producer, KV in CPU memory only: with early_push, wait at most this long after the
+    # forward (the next scheduler step starts the push sooner when the engine is idle), so
+    # the push's copies do not compete with the step's own sampling and output on the same
+    # cores. 0 pushes at once. KV in GPU memory always goes at once (DMA, no CPU copies).
+    cpu_push_delay_ms: float = Field(20.0, ge=0)
     # Descriptors per batch write to one peer (Mooncake TCP rejects very large batches).
     max_batch_descs: int = Field(1024, ge=1)
     # Consumer: if set, only these bootstrap addresses may be named by a request.

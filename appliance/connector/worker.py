@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,33 @@ def compute_fence(device: Any) -> Callable[[], None] | None:
     return event.synchronize
 
 
+class ReadySends:
+    """Prompts whose KV is computed (or is being computed by this step's forward) and that
+    have not been handed to the sender yet: req_id -> (transfer_id, block_ids).
+
+    vLLM's worker thread adds and takes; on a CPU host a timer on the side-channel loop may
+    take too, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, tuple[str, list[int]]] = {}
+
+    def add(self, ready: dict[str, tuple[str, list[int]]]) -> None:
+        with self._lock:
+            self._items.update(ready)
+
+    def ids(self) -> set[str]:
+        with self._lock:
+            return set(self._items)
+
+    def take(self, only: set[str] | None = None) -> list[tuple[str, str, list[int]]]:
+        """Remove and return (req_id, transfer_id, block_ids), all of them or those in only."""
+        with self._lock:
+            picked = [r for r in self._items if only is None or r in only]
+            return [(r, *self._items.pop(r)) for r in picked]
+
+
 class PDWorker:
     def __init__(self, settings: ConnectorSettings, vllm_config: Any,
                  kv_cache_config: Any) -> None:
@@ -97,7 +125,7 @@ class PDWorker:
         self.loop = LoopThread(f"pd-{settings.role}-tp{self.tp_rank}")
         self.side: Any = None
         self._device: Any = None
-        self._pending_ready: dict[str, tuple[str, list[int]]] = {}
+        self._ready = ReadySends()
         log.info("%s worker tp %d/%d: Mooncake %s session %s", settings.role, self.tp_rank,
                  self.tp_size, settings.protocol, self.transport.session_id)
 
@@ -136,10 +164,11 @@ class PDWorker:
             return
         if self.settings.is_producer:
             if self.settings.early_push:
-                self._activate_ready()  # in case the previous step had no wait_for_save
+                # Whatever an earlier step computed and has not pushed yet goes now.
+                self._hand_over(self._ready.take())
             else:  # the reference's timing: only once the request has finished
-                self._activate_ready(meta.finished_sends)
-            self._pending_ready.update(meta.ready_sends)
+                self._hand_over(self._ready.take(set(meta.finished_sends)))
+            self._ready.add(meta.ready_sends)  # computed by this step's forward
             if meta.finished_sends:
                 self.loop.call(self.side.on_finished, set(meta.finished_sends))
             if meta.aborted_sends:
@@ -153,16 +182,32 @@ class PDWorker:
             self.loop.call(self.side.on_release, spec)
 
     def wait_for_save(self) -> None:
-        """After this step's forward: the prompts completed in it may be pushed now."""
-        if self.settings.early_push:
-            self._activate_ready()
+        """After this step's forward: the prompts completed in it may be pushed now.
 
-    def _activate_ready(self, only: set[str] | None = None) -> None:
-        if not self._pending_ready or self.side is None:
+        KV in GPU memory goes at once (behind a CUDA event; the copy is DMA). KV in CPU
+        memory goes at the next step's start or after `cpu_push_delay_ms`, whichever comes
+        first: the push's copies would otherwise share the cores with this step's sampling
+        and output when the engine is idle, and a busy engine's next step can be seconds away.
+        """
+        if not self.settings.early_push or self.side is None:
+            return
+        delay = self.settings.cpu_push_delay_ms / 1000
+        if delay <= 0 or getattr(self._device, "type", "cpu") != "cpu":
+            self._hand_over(self._ready.take())
+            return
+        computed = self._ready.ids()  # not whatever a later step adds before the timer
+        if computed:
+            self.loop.loop.call_soon_threadsafe(
+                self.loop.loop.call_later, delay, self._hand_over_ids, computed)
+
+    def _hand_over_ids(self, ids: set[str]) -> None:
+        self._hand_over(self._ready.take(ids))
+
+    def _hand_over(self, items: list[tuple[str, str, list[int]]]) -> None:
+        if not items or self.side is None:
             return
         fence = compute_fence(self._device)
-        for req_id in [r for r in self._pending_ready if only is None or r in only]:
-            transfer_id, block_ids = self._pending_ready.pop(req_id)
+        for req_id, transfer_id, block_ids in items:
             self.loop.call(self.side.on_ready, req_id, transfer_id, block_ids, fence)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
