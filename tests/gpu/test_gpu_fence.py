@@ -10,6 +10,7 @@ without it (the control) D receives the stale ones, which shows the test can tel
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,3 +103,39 @@ async def test_sender_pushes_gpu_kv_after_the_fence(bootstrap_url):  # noqa: F81
             raise AssertionError("P never reported the request as sent")
     finally:
         await pair.close()
+
+
+def test_worker_hands_gpu_kv_over_at_once_with_a_fence() -> None:
+    """With GPU KV the worker does not wait for the next step (that is for CPU KV): the
+    prompt goes to the sender right after the forward, with a fence on this step's stream."""
+    from appliance.connector.loop import LoopThread
+    from appliance.connector.metadata import PDConnectorMetadata
+    from appliance.connector.settings import ConnectorSettings
+    from appliance.connector.worker import PDWorker, ReadySends
+
+    handed: list[tuple[str, object]] = []
+    done = threading.Event()
+
+    class Sender:
+        def on_ready(self, req_id, transfer_id, block_ids, fence) -> None:
+            handed.append((req_id, fence))
+            done.set()
+
+    w = PDWorker.__new__(PDWorker)
+    w.settings = ConnectorSettings(engine_id="p", role="producer")  # cpu_push_delay_ms 20
+    w.loop, w.side, w._ready = LoopThread("gpu-push"), Sender(), ReadySends()
+    w._device = torch.device("cuda")
+    stream = torch.cuda.Stream()
+    try:
+        w.start_load_kv(PDConnectorMetadata(ready_sends={"r1": ("x1", [1])}))
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)  # this step's kernels, still running
+            w.wait_for_save()
+        assert done.wait(0.05), "GPU KV waited for a timer or the next step"
+        (req_id, fence), = handed
+        assert req_id == "r1" and callable(fence)
+        start = time.perf_counter()
+        fence()
+        assert time.perf_counter() - start > 0.1  # it waited for the queued kernel
+    finally:
+        w.loop.stop()
