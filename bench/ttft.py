@@ -6,8 +6,9 @@ Mooncake over TCP loopback, the larger-KV tiny model: 48 KiB of KV per token).
         [--compare-late] [--compare-immediate] [--skip-builtin]
 
 Every setup is up at once (P pinned to CPU 0, D to CPU 1; the plain server to CPU 0; an
-idle server's workers stop polling a second after their last step) and they take turns on the same fresh prompts, round by round, so no
-prefix cache helps and drift on this shared machine hits all alike. Added TTFT = setup's
+idle server's workers stop polling a second after their last step) and they take turns on
+the same fresh prompts, round by round, so no prefix cache helps and drift on this shared
+machine hits all alike. Added TTFT = setup's
 median TTFT minus the plain server's at the same size and concurrency.
 """
 

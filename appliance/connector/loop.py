@@ -33,6 +33,10 @@ class LoopThread:
         """Run fn(*args) on the loop soon; returns at once (for calls from vLLM's thread)."""
         self.loop.call_soon_threadsafe(fn, *args)
 
+    def call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the loop after `delay` seconds; returns at once."""
+        self.loop.call_soon_threadsafe(self.loop.call_later, delay, fn, *args)
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the loop and wait for its result from another thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -197,8 +197,7 @@ class PDWorker:
             return
         computed = self._ready.ids()  # not whatever a later step adds before the timer
         if computed:
-            self.loop.loop.call_soon_threadsafe(
-                self.loop.loop.call_later, delay, self._hand_over_ids, computed)
+            self.loop.call_later(delay, self._hand_over_ids, computed)
 
     def _hand_over_ids(self, ids: set[str]) -> None:
         self._hand_over(self._ready.take(ids))

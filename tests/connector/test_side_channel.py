@@ -53,6 +53,33 @@ class Side:
         return self.caches[f"model.layers.{layer}.self_attn.attn"][block_id]
 
 
+async def wait_registered(bootstrap_url: str, rank: int = 0) -> None:
+    """Until the sidecar lists a producer worker for this TP rank."""
+    from appliance.bootstrap.client import BootstrapClient
+    client = BootstrapClient(bootstrap_url)
+    try:
+        for _ in range(100):
+            answer = await client.query()
+            if "0" in answer and str(rank) in answer["0"].worker_addr:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"tp rank {rank} never registered")
+    finally:
+        await client.close()
+
+
+async def receiver_results(receiver: Receiver, timeout: float = 10
+                           ) -> tuple[set[str], set[str]]:
+    """Wait for the receiver to report something; returns (finished, failed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = receiver.take_results()
+        if done:
+            return done, failed
+        await asyncio.sleep(0.02)
+    raise AssertionError("receiver reported nothing")
+
+
 class Pair:
     """One producer and one consumer worker side sharing the test's event loop."""
 
@@ -73,27 +100,14 @@ class Pair:
         await self.sender.start()
         self.receiver = Receiver(self.d_settings, self.d.transport, self.d.regions,
                                  "127.0.0.1", 0, 1, self.d.stats)
-        from appliance.bootstrap.client import BootstrapClient
-        client = BootstrapClient(self.url)
-        for _ in range(100):
-            if "0" in await client.query():
-                break
-            await asyncio.sleep(0.05)
-        await client.close()
+        await wait_registered(self.url)
 
     def spec(self, transfer_id: str, blocks: list[int]) -> RecvSpec:
         return RecvSpec(transfer_id, blocks, "p0", self.url)
 
     async def results(self, timeout: float = 10) -> tuple[set[str], set[str]]:
-        """Wait for the receiver to report something; returns (finished, failed)."""
         assert self.receiver is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            done, failed = self.receiver.take_results()
-            if done:
-                return done, failed
-            await asyncio.sleep(0.02)
-        raise AssertionError("receiver reported nothing")
+        return await receiver_results(self.receiver, timeout)
 
     async def finished_sending(self, timeout: float = 10) -> set[str]:
         deadline = time.monotonic() + timeout
@@ -348,44 +362,24 @@ async def test_tensor_parallel_rank_i_sends_to_rank_i(bootstrap_url):
                       ps[r].stats) for r in range(2)]
     receivers = [Receiver(d_settings, ds[r].transport, ds[r].regions, "127.0.0.1", r, 2,
                           ds[r].stats) for r in range(2)]
-    from appliance.bootstrap.client import BootstrapClient
-    client = BootstrapClient(bootstrap_url)
     try:
-        async def registered(rank: int) -> None:
-            for _ in range(100):
-                answer = await client.query()
-                if "0" in answer and str(rank) in answer["0"].worker_addr:
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"rank {rank} never registered")
-
         await senders[0].start()
-        await registered(0)
+        await wait_registered(bootstrap_url, 0)
         receivers[1].on_recv("d0", RecvSpec("x0", [1], "p0", bootstrap_url))  # rank 1 not up
-        for _ in range(250):
-            done, failed = receivers[1].take_results()
-            if done:
-                break
-            await asyncio.sleep(0.02)
-        assert (done, failed) == ({"d0"}, {"d0"})
+        assert await receiver_results(receivers[1]) == ({"d0"}, {"d0"})
         await senders[1].start()
-        await registered(1)  # D's rank 1 must look again, not trust its first answer
+        await wait_registered(bootstrap_url, 1)
+        # D's rank 1 must look again, not trust its first answer
         for r in range(2):
             receivers[r].on_recv("d1", RecvSpec("x1", [10, 11], "p0", bootstrap_url))
             senders[r].on_ready("p1", "x1", [3, 4], None)
         for r in range(2):
-            for _ in range(250):
-                done, failed = receivers[r].take_results()
-                if done:
-                    break
-                await asyncio.sleep(0.02)
-            assert (done, failed) == ({"d1"}, set()), r
+            assert await receiver_results(receivers[r]) == ({"d1"}, set()), r
             for layer in range(LAYERS):
                 for s, d in ((3, 10), (4, 11)):
                     assert torch.equal(ds[r].block(layer, d), ps[r].block(layer, s))
                     assert not torch.equal(ds[r].block(layer, d), ps[1 - r].block(layer, s))
     finally:
-        await client.close()
         for side in (*senders, *receivers):
             await side.close()
         for side in (*ps, *ds):

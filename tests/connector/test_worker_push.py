@@ -37,16 +37,21 @@ class RecordingSender:
         pass
 
 
+def producer_worker(side, device: str, **settings) -> PDWorker:
+    """A producer worker with its real loop thread and the given sender (the vLLM- and
+    Mooncake-facing parts left out); stop it with `w.loop.stop()`."""
+    w = PDWorker.__new__(PDWorker)
+    w.settings = ConnectorSettings(engine_id="p", role="producer", **settings)
+    w.loop = LoopThread("test-push")
+    w.side = side
+    w._device = torch.device(device)
+    w._ready = ReadySends()
+    return w
+
+
 @pytest.fixture
 def worker():
-    """A producer worker with its real loop thread and a recording sender (the vLLM- and
-    Mooncake-facing parts left out)."""
-    w = PDWorker.__new__(PDWorker)
-    w.settings = ConnectorSettings(engine_id="p", role="producer", cpu_push_delay_ms=150)
-    w.loop = LoopThread("test-push")
-    w.side = RecordingSender()
-    w._device = torch.device("cpu")
-    w._ready = ReadySends()
+    w = producer_worker(RecordingSender(), "cpu", cpu_push_delay_ms=150)
     yield w
     w.loop.stop()
 

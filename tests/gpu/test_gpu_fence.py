@@ -9,7 +9,6 @@ without it (the control) D receives the stale ones, which shows the test can tel
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,12 +94,7 @@ async def test_sender_pushes_gpu_kv_after_the_fence(bootstrap_url):  # noqa: F81
         pair.assert_copied([3, 4, 5, 9], [10, 11, 12, 40])
         pair.assert_untouched({10, 11, 12, 40})
         pair.sender.on_finished({"p1"})
-        for _ in range(50):
-            if pair.sender.take_finished() == {"p1"}:
-                break
-            await asyncio.sleep(0.02)
-        else:
-            raise AssertionError("P never reported the request as sent")
+        assert await pair.finished_sending() == {"p1"}
     finally:
         await pair.close()
 
@@ -108,10 +102,8 @@ async def test_sender_pushes_gpu_kv_after_the_fence(bootstrap_url):  # noqa: F81
 def test_worker_hands_gpu_kv_over_at_once_with_a_fence() -> None:
     """With GPU KV the worker does not wait for the next step (that is for CPU KV): the
     prompt goes to the sender right after the forward, with a fence on this step's stream."""
-    from appliance.connector.loop import LoopThread
     from appliance.connector.metadata import PDConnectorMetadata
-    from appliance.connector.settings import ConnectorSettings
-    from appliance.connector.worker import PDWorker, ReadySends
+    from tests.connector.test_worker_push import producer_worker
 
     handed: list[tuple[str, object]] = []
     done = threading.Event()
@@ -121,10 +113,7 @@ def test_worker_hands_gpu_kv_over_at_once_with_a_fence() -> None:
             handed.append((req_id, fence))
             done.set()
 
-    w = PDWorker.__new__(PDWorker)
-    w.settings = ConnectorSettings(engine_id="p", role="producer")  # cpu_push_delay_ms 20
-    w.loop, w.side, w._ready = LoopThread("gpu-push"), Sender(), ReadySends()
-    w._device = torch.device("cuda")
+    w = producer_worker(Sender(), "cuda")  # the default cpu_push_delay_ms (20) applies
     stream = torch.cuda.Stream()
     try:
         w.start_load_kv(PDConnectorMetadata(ready_sends={"r1": ("x1", [1])}))
