@@ -1,0 +1,45 @@
+"""The connector's settings as vLLM hands them over (`--kv-transfer-config`): good ones are
+typed, bad ones fail vLLM's start with one line naming every problem."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from appliance.connector.settings import ConnectorSettings
+
+
+def config(role: str = "kv_producer", engine_id: str = "p0", **extra):
+    return SimpleNamespace(kv_role=role, engine_id=engine_id, kv_connector_extra_config=extra)
+
+
+def test_defaults_and_roles() -> None:
+    s = ConnectorSettings.from_kv_transfer_config(config())
+    assert s.is_producer and s.early_push and s.cpu_push_delay_ms == 20 and s.protocol == "tcp"
+    d = ConnectorSettings.from_kv_transfer_config(
+        config("kv_consumer", "d0", protocol="rdma", device_name="mlx5_0", recv_timeout_s=5))
+    assert not d.is_producer and (d.protocol, d.device_name, d.recv_timeout_s) == (
+        "rdma", "mlx5_0", 5)
+
+
+def test_token_file_is_read(tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    s = ConnectorSettings.from_kv_transfer_config(config(bootstrap_token_file=str(token)))
+    assert s.bootstrap_token == "s3cret"
+
+
+@pytest.mark.parametrize(("cfg", "words"), [
+    (config("kv_both"), ["kv_producer or kv_consumer", "kv_both"]),
+    (config(engine_id=""), ["engine_id"]),
+    (config(protocol="udp"), ["protocol"]),
+    (config(cpu_push_delay_ms=-1), ["cpu_push_delay_ms"]),
+    (config(early_psuh=False), ["early_psuh"]),  # a typo is an error, not ignored
+    (config(recv_timeout_s=0, num_workers=0), ["recv_timeout_s", "num_workers"]),
+])
+def test_bad_settings_fail_with_one_line_naming_them(cfg, words) -> None:
+    with pytest.raises(ValueError) as err:
+        ConnectorSettings.from_kv_transfer_config(cfg)
+    message = str(err.value)
+    assert "\n" not in message and all(w in message for w in words), message
