@@ -3,7 +3,12 @@ MooncakeConnector as the peer, all measured in this one run (real vLLM, CPU buil
 Mooncake over TCP loopback, the larger-KV tiny model: 48 KiB of KV per token).
 
     .venv/bin/python bench/ttft.py [--sizes 128,512,2000] [--repeats 5] [--concurrency 1,4]
-        [--compare-late] [--compare-immediate] [--skip-builtin]
+        [--compare-late] [--compare-immediate] [--skip-builtin] [--skip-appliance]
+
+Setups: "ours" and "builtin" are driven the way vLLM's example proxy drives a connector (P
+and D at once, D gives the first token); "appliance" is our proxy in front of ours' servers
+(P's token goes to the client at once, D continues after it). The second table (time to
+the second token) shows what the early first token costs the next one.
 
 Every setup is up at once (P pinned to CPU 0, D to CPU 1; the plain server to CPU 0; an
 idle server's workers stop polling a second after their last step) and they take turns on
@@ -55,6 +60,7 @@ class Setup:
     bootstrap_url: str | None = None
     engine_id: str | None = None
     plain_url: str | None = None
+    proxy_url: str | None = None  # requests go through the appliance's proxy
 
     def start(self) -> None:
         for svc in self.services:
@@ -114,6 +120,18 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                  bootstrap_url=f"http://127.0.0.1:{bport}", engine_id="p0")
 
 
+def appliance_setup(ours: Setup, log_dir: Path) -> Setup:
+    """The appliance as users meet it: our proxy (P's token first) in front of ours' P and D.
+    Shares ours' servers; the two take turns like every other setup."""
+    port = free_port()
+    proxy = ServiceProcess(
+        "proxy", [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1", "--port",
+                  str(port), "--prefill", f"{ours.prefill_url},{ours.bootstrap_url}",
+                  "--decode", str(ours.decode_url), "--no-log-requests"],
+        log_dir / "appliance-proxy.log", health_url=f"http://127.0.0.1:{port}/health")
+    return Setup("appliance", [proxy], proxy_url=f"http://127.0.0.1:{port}")
+
+
 def builtin_setup(model: Path, log_dir: Path) -> Setup:
     bport, pport, dport = free_port(), free_port(), free_port()
     env = {"PD_PATCH_ACCELERATOR_INDEX": "1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport)}
@@ -147,24 +165,27 @@ async def discover_engine(setup: Setup) -> None:
     raise RuntimeError(f"{setup.name}: the prefill engine never registered")
 
 
-async def first_token_seconds(http: aiohttp.ClientSession, url: str, body: dict) -> float:
+Times = tuple[float, float]  # seconds to the first token, and to the second
+
+
+async def token_seconds(http: aiohttp.ClientSession, url: str, body: dict) -> Times:
     start = time.perf_counter()
+    seen: list[float] = []
     async with http.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for line in resp.content:
-            if line.startswith(b"data: ") and b'"text"' in line:
-                elapsed = time.perf_counter() - start
-                async for _ in resp.content:
-                    pass
-                return elapsed
-    raise RuntimeError("stream ended without a token")
+            if line.startswith(b"data: ") and b'"text"' in line and len(seen) < 2:
+                seen.append(time.perf_counter() - start)
+    if len(seen) < 2:
+        raise RuntimeError(f"stream ended after {len(seen)} token(s)")
+    return seen[0], seen[1]
 
 
-async def one_request(http: aiohttp.ClientSession, setup: Setup, prompt: list[int]) -> float:
+async def one_request(http: aiohttp.ClientSession, setup: Setup, prompt: list[int]) -> Times:
     body = {"model": "kvbench", "prompt": prompt, "max_tokens": 2, "temperature": 0,
-            "stream": True}
-    if setup.plain_url:
-        return await first_token_seconds(http, setup.plain_url, body)
+            "ignore_eos": True, "stream": True}
+    if setup.plain_url or setup.proxy_url:
+        return await token_seconds(http, setup.plain_url or setup.proxy_url, body)
     tid = f"xfer-{uuid.uuid4()}"
     p_body = prefill_body(body, COMPLETIONS, tid)
     d_body = decode_body(body, tid, setup.bootstrap_url, setup.engine_id)
@@ -174,27 +195,27 @@ async def one_request(http: aiohttp.ClientSession, setup: Setup, prompt: list[in
             assert r.status == 200, await r.text()
             await r.read()
     p_task = asyncio.create_task(prefill())
-    ttft = await first_token_seconds(http, setup.decode_url, d_body)
+    times = await token_seconds(http, setup.decode_url, d_body)
     await p_task
-    return ttft
+    return times
 
 
 async def measure(setups: list[Setup], sizes: list[int], concurrency: list[int],
                   repeats: int, seed: int, request_timeout: float
-                  ) -> tuple[dict[str, dict[tuple[int, int], float]],
+                  ) -> tuple[dict[str, dict[tuple[int, int], Times]],
                              dict[str, dict[tuple[int, int], int]]]:
-    """Median TTFT per setup and (size, concurrency), and how many requests got no first
-    token within request_timeout (a stuck transfer).
+    """Median times to the first and the second token per setup and (size, concurrency),
+    and how many requests got no first token within request_timeout (a stuck transfer).
 
     Every setup is up at once and they take turns, round by round, on the same prompts,
     the order rotating each round: a noisy neighbour or a slow minute on this shared
     machine hits every setup alike instead of whichever happened to run then.
     """
     rng = random.Random(seed)
-    samples: dict[str, dict[tuple[int, int], list[float]]] = {s.name: {} for s in setups}
+    samples: dict[str, dict[tuple[int, int], list[Times]]] = {s.name: {} for s in setups}
     stuck: dict[str, dict[tuple[int, int], int]] = {s.name: {} for s in setups}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-        async def timed(setup: Setup, prompt: list[int]) -> float | None:
+        async def timed(setup: Setup, prompt: list[int]) -> Times | None:
             try:
                 return await asyncio.wait_for(one_request(http, setup, prompt),
                                               request_timeout)
@@ -217,13 +238,19 @@ async def measure(setups: list[Setup], sizes: list[int], concurrency: list[int],
                         stuck[setup.name][key] = (stuck[setup.name].get(key, 0)
                                                   + len(times) - len(ok))
                         if ok:
-                            samples[setup.name].setdefault(key, []).append(statistics.mean(ok))
+                            samples[setup.name].setdefault(key, []).append(
+                                (statistics.mean(t[0] for t in ok),
+                                 statistics.mean(t[1] for t in ok)))
                 console.log(f"{size} tokens x{conc}: " + ", ".join(
-                    f"{s.name} {statistics.median(samples[s.name][key]) * 1e3:.1f} ms"
+                    f"{s.name} {_median(samples[s.name][key])[0] * 1e3:.1f} ms"
                     if samples[s.name].get(key) else f"{s.name} -" for s in setups))
-    results = {name: {key: statistics.median(v) for key, v in per.items()}
+    results = {name: {key: _median(v) for key, v in per.items()}
                for name, per in samples.items()}
     return results, stuck
+
+
+def _median(times: list[Times]) -> Times:
+    return (statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
 
 
 def main() -> None:
@@ -233,6 +260,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-builtin", action="store_true")
+    parser.add_argument("--skip-appliance", action="store_true",
+                        help="no run through our proxy (P's token first)")
     parser.add_argument("--compare-late", action="store_true",
                         help="also run ours with early_push=false (the reference's timing)")
     parser.add_argument("--compare-immediate", action="store_true",
@@ -258,6 +287,8 @@ def main() -> None:
     if not args.skip_builtin:
         makers.append(builtin_setup)
     setups = [make(model, args.log_dir) for make in makers]
+    if not args.skip_appliance:
+        setups.insert(2, appliance_setup(setups[1], args.log_dir))  # after ours, its servers
     started: list[Setup] = []
     try:
         for setup in setups:  # all up at once: they take turns (see measure)
@@ -271,30 +302,28 @@ def main() -> None:
         for setup in reversed(started):
             setup.stop()
 
-    table = Table(title="TTFT (median ms); added = setup - plain, same run")
-    for col in ("prompt tokens", "conc", "KV MiB", "plain", "ours", "ours added",
-                "ours-late added", "ours-delay0 added", "built-in", "built-in added",
-                "ours/built-in added"):
-        table.add_column(col, justify="right")
     kv_per_token = tinymodel.SIZES["kvbench"].kv_bytes_per_token()
-    for size in sizes:
-        for c in conc:
-            plain = results["plain"].get((size, c), float("nan"))
-            ours = results["ours"].get((size, c), float("nan"))
-            row = [str(size), str(c), f"{size * kv_per_token / 2**20:.1f}",
-                   f"{plain * 1e3:.1f}", f"{ours * 1e3:.1f}", f"{(ours - plain) * 1e3:.1f}"]
-            for variant in ("ours-late", "ours-delay0"):
-                other = results.get(variant, {}).get((size, c))
-                row.append(f"{(other - plain) * 1e3:.1f}" if other is not None else "-")
-            if "builtin" in results:
-                builtin = results["builtin"].get((size, c), float("nan"))
-                added_b = builtin - plain
-                ratio = (ours - plain) / added_b if added_b > 0 else float("nan")
-                row += [f"{builtin * 1e3:.1f}", f"{added_b * 1e3:.1f}", f"{ratio:.2f}"]
-            else:
-                row += ["-", "-", "-"]
-            table.add_row(*row)
-    Console(width=150).print(table)
+    names = [s.name for s in setups if s.name != "plain"]
+    for which, title in ((0, "Time to first token"), (1, "Time to second token")):
+        table = Table(title=f"{title} (median ms); added = setup - plain, same run")
+        for col in ("prompt tokens", "conc", "KV MiB", "plain",
+                    *(f"{n} added" for n in names),
+                    *(f"{n}/built-in" for n in ("ours", "appliance") if n in names
+                      and "builtin" in names)):
+            table.add_column(col, justify="right")
+        for size in sizes:
+            for c in conc:
+                plain = results["plain"].get((size, c), (float("nan"),) * 2)[which]
+                added = {n: results[n].get((size, c), (float("nan"),) * 2)[which] - plain
+                         for n in names}
+                row = [str(size), str(c), f"{size * kv_per_token / 2**20:.1f}",
+                       f"{plain * 1e3:.1f}", *(f"{added[n] * 1e3:.1f}" for n in names)]
+                for n in ("ours", "appliance"):
+                    if n in names and "builtin" in names:
+                        b = added["builtin"]
+                        row.append(f"{added[n] / b:.2f}" if b > 0 else "-")
+                table.add_row(*row)
+        Console(width=160).print(table)
     for name, counts in stuck.items():
         for (size, c), n in counts.items():
             if n:

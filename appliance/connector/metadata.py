@@ -42,6 +42,9 @@ class PDConnectorMetadata(KVConnectorMetadata):
     # Producer: transfer ids whose request ended before its KV was computed (aborted,
     # rejected): any decode node waiting on them is told at once.
     aborted_sends: set[str] = field(default_factory=set)
+    # Producer: transfer ids no decode node will ask for (the request stopped at its first
+    # token and the proxy answers from P alone): free their blocks without waiting.
+    released_sends: set[str] = field(default_factory=set)
     # Consumer: new pulls, req_id -> spec (step 18).
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     # Consumer: requests aborted while waiting for remote KV, req_id -> transfer_id.

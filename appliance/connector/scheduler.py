@@ -5,11 +5,15 @@ KV as soon as the step that completes the prefill is scheduled, and holds those 
 after the request finishes until the worker reports the transfer over (seeds 12, 23, 33).
 Unlike the reference, KV is sent whatever the finish reason (EOS or a stop string as the
 single token included), and a request that ends before its KV exists is reported to the
-worker at once so the decode node does not wait for a timeout.
+worker at once so the decode node does not wait for a timeout. With `send_on_stop: false`
+(the proxy's first-token mode, where D is asked only after P answers) a request that
+stopped at its first token frees its KV at once: no decode node will come for it.
 
 Consumer (D): reports the whole prompt as an asynchronous external load, which parks the
 request in WAITING_FOR_REMOTE_KVS (17); vLLM recomputes only the last prompt token once
-the load is reported (37). A request aborted while waiting keeps its blocks until the
+the load is reported (37). `remote_num_tokens` says how many prompt tokens P's KV covers
+when D's prompt is longer (P's first token appended): D then pulls only those blocks.
+A request aborted while waiting keeps its blocks until the
 worker knows the producer will not write into them any more.
 """
 
@@ -43,6 +47,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def pull_block_ids(new_blocks: list[int], held: int, covered: int,
+                   block_size: int) -> list[int]:
+    """D's blocks that P's KV fills when P's prompt is `covered` tokens long.
+
+    `new_blocks` follow `held` blocks of local prefix hit. D's prompt may run past P's (the
+    proxy's first-token mode appends P's first token, seeds step 42): D asks only for the
+    blocks P holds, so P's last block lines up with D's (the sender right-aligns them).
+    """
+    keep = max(0, _cdiv(covered, block_size) - held)
+    return new_blocks[:keep]
+
+
 class PDScheduler:
     def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
         self.settings = settings
@@ -66,13 +82,17 @@ class PDScheduler:
                         request.request_id)
             return 0, False
         problem = self._pull_params_problem(params)
+        prompt_len = len(request.prompt_token_ids or ())
+        if not problem and (params.get("remote_num_tokens") or 0) > prompt_len:
+            problem = (f"remote_num_tokens {params['remote_num_tokens']} exceeds the "
+                       f"{prompt_len}-token prompt")
         if problem:
             # Serve the request by a local prefill rather than wait on a transfer that
             # cannot happen.
             log.warning("req %s: %s; computing the prompt locally", request.request_id, problem)
             params["do_remote_prefill"] = False
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = prompt_len - num_computed_tokens
         # Seeds step 17: the whole (uncached) prompt arrives asynchronously.
         return (count, True) if count > 0 else (0, False)
 
@@ -86,6 +106,10 @@ class PDScheduler:
             if num_external_tokens > 0:
                 groups = blocks.get_unhashed_block_ids_all_groups()
                 block_ids = list(groups[0]) if groups else []
+                covered = params.get("remote_num_tokens")
+                if covered is not None:
+                    held = len(blocks.get_block_ids()[0]) - len(block_ids)
+                    block_ids = pull_block_ids(block_ids, held, covered, self.block_size)
                 self._meta.recvs[request.request_id] = RecvSpec(
                     transfer_id=params["transfer_id"], block_ids=block_ids,
                     remote_engine_id=params["remote_engine_id"],
@@ -123,6 +147,11 @@ class PDScheduler:
                 # Seeds step 23, whatever the finish reason: the KV exists, so it is sent
                 # (or expires); the worker reports finished_sending to free the blocks.
                 self._meta.finished_sends.add(req_id)
+                if (params.get("send_on_stop") is False
+                        and getattr(request.status, "name", "") == "FINISHED_STOPPED"):
+                    # The proxy sends D only after P's answer, and a stopped answer is
+                    # the whole answer: no D will ask, so free without waiting.
+                    self._meta.released_sends.add(send.transfer_id)
                 return True, None
             # Ended before its KV was computed (aborted, rejected): tell D now.
             self._meta.aborted_sends.add(send.transfer_id)
@@ -168,6 +197,9 @@ class PDScheduler:
         missing = [p for p in REQUIRED_PULL_PARAMS if not params.get(p)]
         if missing:
             return f"kv_transfer_params lacks {', '.join(missing)}"
+        covered = params.get("remote_num_tokens")
+        if covered is not None and (type(covered) is not int or covered < 1):
+            return f"remote_num_tokens must be a positive integer, not {covered!r}"
         allowed = self.settings.allowed_bootstrap_addrs
         if allowed is not None and params["remote_bootstrap_addr"] not in allowed:
             return f"bootstrap address {params['remote_bootstrap_addr']!r} is not allowed"

@@ -166,6 +166,19 @@ class Sender:
             if t is not None and t.fail(reason, d_req=t.d_req_id):
                 t.ready.set()  # wakes _serve, which answers the decode node
 
+    def on_released(self, transfer_ids: set[str]) -> None:
+        """No decode node will ask for these (the request stopped at its first token and the
+        proxy answered from P): free the blocks now instead of after send_timeout_s."""
+        for transfer_id in transfer_ids:
+            t = self.by_transfer.get(transfer_id)
+            if t is None:
+                self._remember(transfer_id, "released by the prefill request")
+            elif t.d_req_id is None and t.state is TransferState.WAITING_FOR_INPUT:
+                t.advance(TransferState.SUCCESS, p_req=t.p_req_id, released=True)
+                t.ready.set()
+                self._settle(t)
+            # else a decode node asked after all: its transfer goes on and settles itself.
+
     def take_finished(self) -> set[str]:
         with self._finished_lock:
             done, self._finished = self._finished, set()

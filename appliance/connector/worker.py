@@ -173,6 +173,8 @@ class PDWorker:
                 self.loop.call(self.side.on_finished, set(meta.finished_sends))
             if meta.aborted_sends:
                 self.loop.call(self.side.on_aborted, set(meta.aborted_sends))
+            if meta.released_sends:  # after on_ready and on_finished, in loop order
+                self.loop.call(self.side.on_released, set(meta.released_sends))
             return
         for req_id, spec in meta.recvs.items():  # seeds step 19
             self.loop.call(self.side.on_recv, req_id, spec)

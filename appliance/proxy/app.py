@@ -2,7 +2,9 @@
 
 One request (seeds steps 8-10, 25, 42-43): pick P (and a dp rank) and D, send both at once,
 wait for P's status before any byte of D's answer reaches the client (with vLLM, D cannot
-speak before P has sent the KV, so this costs nothing), then relay D. P failing cancels D;
+speak before P has sent the KV, so this costs nothing), then relay D. A streaming request
+that first_token.ineligible() accepts goes P first instead: P's token reaches the client
+as soon as P answers, and D, asked then, continues after it. P failing cancels D;
 D failing cancels P; the client leaving cancels both (the server runs with
 handler_cancellation, so the handler is cancelled and its upstream connections closed).
 """
@@ -21,6 +23,7 @@ import msgspec
 from aiohttp import web
 
 from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
+from appliance.proxy import first_token
 from appliance.proxy.backends import Backend, Backends, HealthPoller, PrefillBackend
 from appliance.proxy.errors import (
     ProxyError,
@@ -188,6 +191,10 @@ class Proxy:
             if not prefills:
                 return await self._serve_plain(request, rec, body, d, "no_prefill")
             p = self.router.pick_prefill(prefills)
+            if self.settings.first_token_from_prefill and body.get("stream") is True:
+                if first_token.ineligible(body, rec.route) is None:
+                    return await self._serve_first_token(request, rec, body, p, d)
+                self.metrics.first_token.labels("decode").inc()
             return await self._serve_split(request, rec, body, p, d)
         finally:
             d.in_flight -= 1
@@ -197,15 +204,19 @@ class Proxy:
         h.update(self.base_headers)
         return h
 
-    async def _serve_split(self, request: web.Request, rec: Record, body: dict[str, Any],
-                           p: PrefillBackend, d: Backend) -> web.StreamResponse:
+    def _pair(self, rec: Record, p: PrefillBackend, d: Backend) -> tuple[str, str]:
+        """Picks P's dp rank and names the transfer: (transfer id, P's engine id)."""
         rank, engine_id = p.next_rank()
         # A request id of ours is a fresh uuid4: the transfer id reuses it (as the reference
         # does), which also ties the two together in logs; a client's id is not trusted to be
         # unique, so then the transfer id gets its own.
-        rec.transfer_id = transfer_id = f"xfer-{rec.request_id}" if rec.own_request_id \
-            else new_transfer_id()
+        rec.transfer_id = f"xfer-{rec.request_id}" if rec.own_request_id else new_transfer_id()
         rec.prefill, rec.decode = f"{p.url}#dp{rank}", d.url
+        return rec.transfer_id, engine_id
+
+    async def _serve_split(self, request: web.Request, rec: Record, body: dict[str, Any],
+                           p: PrefillBackend, d: Backend) -> web.StreamResponse:
+        transfer_id, engine_id = self._pair(rec, p, d)
         headers = self._headers(rec)
         p_data = _encode(prefill_body(body, rec.route, transfer_id))
         d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
@@ -252,26 +263,15 @@ class Proxy:
 
             if p_error is not None or p_resp is None:
                 assert p_error is not None
-                reason = "prefill_timeout" if p_error.kind == "timeout" else \
-                    "prefill_unreachable"
-                self.metrics.upstream_errors.labels("prefill", p.url, p_error.kind).inc()
-                if p_error.kind == "connect":
-                    self.backends.mark_failed(p, str(p_error))
                 d_resp.close()
-                if not self.settings.fallback_to_decode:
-                    raise ProxyError(503, f"prefill node {p.url}: {p_error}")
-                rec.error = f"prefill: {p_error}"
-                return await self._serve_plain(request, rec, body, d, reason)
+                return await self._prefill_failed(request, rec, body, p, d, p_error)
             p_raw = await p_resp.read()  # complete already: returns at once
             rec.prefill_s = time.monotonic() - started
             self.metrics.prefill_latency.observe(rec.prefill_s)
             if p_resp.status >= 300:
                 # For example 400, prompt too long: D must not wait for KV that never comes.
                 d_resp.close()
-                self.metrics.upstream_errors.labels("prefill", p.url, _kind(p_resp.status)).inc()
-                rec.error = "prefill failed"
-                return _json(p_resp.status, upstream_error_body(
-                    p_resp.status, p_raw, f"prefill node {p.url}"), rec)
+                return self._prefill_refused(rec, p, p_resp.status, p_raw)
             if (self.settings.fallback_on_prefill_stop
                     and prefill_finish_reason(p_raw) == "stop"):
                 d_resp.close()
@@ -285,6 +285,129 @@ class Proxy:
                 p_resp.close()
             if d_resp is not None and not handed_over:
                 d_resp.close()
+
+    async def _prefill_failed(self, request: web.Request, rec: Record, body: dict[str, Any],
+                              p: PrefillBackend, d: Backend,
+                              error: UpstreamError) -> web.StreamResponse:
+        """P unreachable or timed out: D alone if allowed, else 503."""
+        self.metrics.upstream_errors.labels("prefill", p.url, error.kind).inc()
+        if error.kind == "connect":
+            self.backends.mark_failed(p, str(error))
+        if not self.settings.fallback_to_decode:
+            raise ProxyError(503, f"prefill node {p.url}: {error}")
+        rec.error = f"prefill: {error}"
+        reason = "prefill_timeout" if error.kind == "timeout" else "prefill_unreachable"
+        return await self._serve_plain(request, rec, body, d, reason)
+
+    def _prefill_refused(self, rec: Record, p: PrefillBackend, status: int,
+                         raw: bytes) -> web.Response:
+        """P answered an error (for example 400, prompt too long): the client gets it."""
+        self.metrics.upstream_errors.labels("prefill", p.url, _kind(status)).inc()
+        rec.error = "prefill failed"
+        return _json(status, upstream_error_body(status, raw, f"prefill node {p.url}"), rec)
+
+    async def _serve_first_token(self, request: web.Request, rec: Record, body: dict[str, Any],
+                                 p: PrefillBackend, d: Backend) -> web.StreamResponse:
+        """P first; its token goes to the client at once, then D continues after it
+        (first_token module). D is asked only once P's answer says what to continue."""
+        transfer_id, engine_id = self._pair(rec, p, d)
+        headers = self._headers(rec)
+        p_data = _encode(first_token.prefill_request(body, rec.route, transfer_id))
+        started = time.monotonic()
+        p_resp: Response | None = None
+        p_error: UpstreamError | None = None
+        p.in_flight += 1
+        try:
+            p_resp = await self.upstreams.pool(p.url).send(
+                rec.route, p_data, headers, read_timeout=self.settings.prefill_timeout_s)
+            p_raw = await p_resp.read()
+        except UpstreamError as exc:
+            p_error = exc
+        finally:
+            p.in_flight -= 1
+            if p_resp is not None:
+                p_resp.close()
+        if p_error is not None or p_resp is None:
+            assert p_error is not None
+            return await self._prefill_failed(request, rec, body, p, d, p_error)
+        rec.prefill_s = time.monotonic() - started
+        self.metrics.prefill_latency.observe(rec.prefill_s)
+        if p_resp.status >= 300:
+            return self._prefill_refused(rec, p, p_resp.status, p_raw)
+
+        answer = first_token.parse_prefill_answer(p_raw, rec.route)
+        if answer is None:
+            # P's token cannot lead (a parser's output, half a character): D answers
+            # classically, still from P's KV, which P holds for this transfer.
+            self.metrics.first_token.labels("decode").inc()
+            d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
+            return await self._serve_decode(request, rec, d, rec.route, d_data)
+        stream = first_token.ClientStream(body, rec.route, answer)
+        if answer.stopped:  # P's token is the whole answer; P freed its KV by itself
+            self.metrics.first_token.labels("prefill_only").inc()
+            out = await self._open_stream(request, rec)
+            await out.write(stream.head())
+            await out.write_eof()
+            return out
+        d_data = _encode(first_token.continuation_request(
+            body, rec.route, answer, transfer_id, p.bootstrap_url, engine_id))
+        try:
+            # D is asked before the client hears anything: a client gone by then cancels
+            # this handler, which cuts D's call and so frees the KV on both sides.
+            d_resp = await self.upstreams.pool(d.url).send(
+                COMPLETIONS, d_data, headers, read_timeout=self.settings.decode_read_timeout_s)
+        except UpstreamError as exc:
+            raise self._decode_error(d, exc) from None
+        self.metrics.first_token.labels("prefill_led").inc()
+        try:
+            out = await self._open_stream(request, rec)
+            await out.write(stream.head())
+            return await self._continue_stream(request, rec, d, d_resp, out, stream)
+        finally:
+            d_resp.close()
+
+    async def _open_stream(self, request: web.Request, rec: Record) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Request-Id": rec.request_id})
+        await out.prepare(request)
+        rec.ttfb_s = time.monotonic() - rec.started
+        self.metrics.decode_ttfb.observe(rec.ttfb_s)
+        return out
+
+    async def _continue_stream(self, request: web.Request, rec: Record, d: Backend,
+                               upstream: Response, out: web.StreamResponse,
+                               stream: first_token.ClientStream) -> web.StreamResponse:
+        """D's continuation after P's token; the client's headers are sent already, so a
+        failure of D becomes an error event."""
+        try:
+            await upstream.head()
+        except UpstreamError as exc:
+            return await self._end_stream(out, rec, d, self._decode_error(d, exc).message,
+                                          count=False)
+        if upstream.status >= 400:
+            try:
+                raw = await upstream.read()
+            except UpstreamError:
+                raw = b""
+            self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
+            inner = upstream_error_body(upstream.status, raw, f"decode node {d.url}")
+            return await self._end_stream(
+                out, rec, d, f"decode node {d.url} answered {upstream.status}: "
+                             f"{inner['error']['message']}", count=False)
+        return await self._relay_stream(request, rec, d, upstream, "", out=out, rewrite=stream)
+
+    async def _end_stream(self, out: web.StreamResponse, rec: Record, d: Backend,
+                          error: str, count: bool = True) -> web.StreamResponse:
+        if count:
+            self.metrics.upstream_errors.labels("decode", d.url, "stream").inc()
+        rec.error = error
+        try:
+            await out.write(sse_error_event(502, error))
+            await out.write_eof()
+        except ConnectionResetError:
+            pass
+        return out
 
     async def _send_both(self, p_call: tuple[Pool, Response | None, bytes, float],
                          d_call: tuple[Pool, Response | None, bytes, float], route: str,
@@ -330,9 +453,13 @@ class Proxy:
         """D alone, local prefill, no kv_transfer_params: the fallback when P cannot help."""
         self.metrics.fallbacks.labels(reason).inc()
         rec.fallback, rec.decode = reason, d.url
+        return await self._serve_decode(request, rec, d, rec.route, _encode(body))
+
+    async def _serve_decode(self, request: web.Request, rec: Record, d: Backend, route: str,
+                            data: bytes) -> web.StreamResponse:
         try:
             upstream = await self.upstreams.pool(d.url).send(
-                rec.route, _encode(body), self._headers(rec),
+                route, data, self._headers(rec),
                 read_timeout=self.settings.decode_read_timeout_s)
         except UpstreamError as exc:
             raise self._decode_error(d, exc) from None
@@ -375,15 +502,23 @@ class Proxy:
             upstream.close()
 
     async def _relay_stream(self, request: web.Request, rec: Record, d: Backend,
-                            upstream: Response, content_type: str) -> web.StreamResponse:
-        out = web.StreamResponse(status=upstream.status, headers={
-            "Content-Type": content_type, "Cache-Control": "no-cache",
-            "X-Request-Id": rec.request_id})
-        await out.prepare(request)
+                            upstream: Response, content_type: str, *,
+                            out: web.StreamResponse | None = None,
+                            rewrite: first_token.ClientStream | None = None
+                            ) -> web.StreamResponse:
+        if out is None:
+            out = web.StreamResponse(status=upstream.status, headers={
+                "Content-Type": content_type, "Cache-Control": "no-cache",
+                "X-Request-Id": rec.request_id})
+            await out.prepare(request)
         tail = b""
         error: str | None = None
         try:
             async for chunk in upstream.chunks():
+                if rewrite is not None:
+                    chunk = rewrite.feed(chunk)
+                    if not chunk:
+                        continue
                 if rec.ttfb_s is None:
                     rec.ttfb_s = time.monotonic() - rec.started
                     self.metrics.decode_ttfb.observe(rec.ttfb_s)
@@ -393,6 +528,11 @@ class Proxy:
                     rec.error = "client disconnected"
                     return out
                 tail = (tail + chunk[-32:])[-32:]
+            if rewrite is not None:
+                rest = rewrite.flush()
+                if rest:
+                    await out.write(rest)
+                    tail = (tail + rest[-32:])[-32:]
             if b"[DONE]" not in tail:
                 error = "decode stream ended before [DONE]"
         except UpstreamError as exc:

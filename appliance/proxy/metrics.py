@@ -76,13 +76,20 @@ class ProxyMetrics:
         r = self.registry
         self.in_flight = in_flight
         self.request_counts: dict[tuple[str, int], int] = {}
-        self.decode_ttfb = FastHistogram("pd_proxy_decode_ttfb_seconds",
-                                         "From the client's request to D's first body byte")
+        self.decode_ttfb = FastHistogram(
+            "pd_proxy_decode_ttfb_seconds",
+            "From the client's request to the answer's first body byte (D's, or P's token "
+            "when it leads the stream)")
         self.prefill_latency = FastHistogram("pd_proxy_prefill_seconds",
                                              "P's answer time (prefill + one token)")
         r.register(_HotPath(self))
         self.fallbacks = Counter("pd_proxy_prefill_fallbacks",
                                  "Requests served by D alone, by reason", ["reason"], registry=r)
+        self.first_token = Counter(
+            "pd_proxy_first_token",
+            "Streaming requests by who gave the first token: prefill_led (P's token, then D), "
+            "prefill_only (P's token ended the answer), decode (classic split: request not "
+            "eligible, or P's answer could not lead)", ["outcome"], registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors",
                                        "Failed upstream requests by backend and kind",
                                        ["role", "backend", "kind"], registry=r)

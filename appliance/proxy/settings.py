@@ -90,6 +90,11 @@ class ProxySettings(BaseModel):
     # that never comes (vllm#46008): turn this on to serve such requests by D alone.
     fallback_on_prefill_stop: bool = False
 
+    # Streaming requests: send P's token to the client as soon as P answers, then ask D to
+    # continue after it (appliance.proxy.first_token). TTFT becomes P's alone; the second
+    # token comes after the transfer and one D step. Off: D gives every token.
+    first_token_from_prefill: bool = True
+
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Bearer keys for the /v1/ routes; empty: no auth.
     api_keys: list[str] = Field(default_factory=list)
@@ -152,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve by D alone when P is unreachable or times out")
     p.add_argument("--fallback-on-prefill-stop", dest="fallback_on_prefill_stop",
                    action=argparse.BooleanOptionalAction)
+    p.add_argument("--first-token-from-prefill", dest="first_token_from_prefill",
+                   action=argparse.BooleanOptionalAction,
+                   help="stream P's token to the client at once, D continues after it")
     p.add_argument("--max-body-bytes", type=int, metavar="BYTES")
     p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
                    help=f"accepted Bearer key (repeatable; also ${API_KEYS_ENV}, comma-separated)")

@@ -258,6 +258,17 @@ async def test_release_frees_prefill_blocks(pair):
     pair.assert_untouched()
 
 
+async def test_released_prefill_frees_blocks_and_refuses_a_late_decode(pair):
+    pair.sender.on_ready("p1", "x7", [1, 2], None)
+    pair.sender.on_finished({"p1"})
+    pair.sender.on_released({"x7"})
+    assert pair.sender.take_finished() == {"p1"}  # at once, not after send_timeout_s
+    pair.receiver.on_recv("d1", pair.spec("x7", [5, 6]))
+    done, failed = await pair.results(5)
+    assert done == failed == {"d1"}  # recomputed by D, never written into
+    pair.assert_untouched()
+
+
 class RawDealer:
     def __init__(self, addr: str) -> None:
         self.ctx = zmq.asyncio.Context()

@@ -4,14 +4,22 @@ PDConnector, Mooncake TCP) → answer, compared with a plain vLLM server."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import aiohttp
 import openai
 import pytest
 
-from tests.e2e.conftest import PREFILL_MAX_LEN, plain_request, text_of, token_prompt
-from tests.e2e.test_pd_parity import _kv_usage
+from tests.e2e.conftest import (
+    PREFILL_MAX_LEN,
+    log_text,
+    plain_request,
+    text_of,
+    token_prompt,
+)
+from tests.e2e.test_pd_parity import BLOCK, LENGTHS, _kv_usage
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +70,72 @@ async def test_proxy_reports_healthy_node(pd_node):
         async with http.get(pd_node.spec.proxy_url + "/status") as r:
             status = await r.json()
     assert "prefill-0" in str(status)
+
+
+async def stream_through_proxy(node, path: str, body: dict) -> tuple[str, list[dict], str]:
+    """(request id, the stream's JSON events, the text they carry)."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(node.spec.proxy_url + path, json=body) as r:
+            assert r.status == 200, await r.text()
+            raw, rid = await r.text(), r.headers["X-Request-Id"]
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    assert raw.endswith("data: [DONE]\n\n")
+    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for e in events for c in e.get("choices", ()))
+    return rid, events, text
+
+
+def sent_blocks(node, transfer_id: str) -> int:
+    """Blocks P's log says it wrote into D for this transfer (0: none)."""
+    m = re.search(rf"sent p_req=\S+ d_req=\S+ transfer={re.escape(transfer_id)} blocks=(\d+)",
+                  log_text(node.prefill.log_path))
+    return int(m.group(1)) if m else 0
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+async def test_first_token_from_prefill_equals_plain(pd_node, plain_server, length):
+    """Streaming: P's token reaches the client first and D continues after it, from P's KV
+    (also when P's prompt fills its last block exactly, so D's prompt plus P's token needs one
+    block more than P holds)."""
+    body = {"model": "tiny", "prompt": token_prompt(length, seed=200 + length),
+            "max_tokens": 16, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    expected = await plain_request(plain_server, "/v1/completions",
+                                   {**body, "stream": False, "stream_options": None})
+    rid, events, text = await stream_through_proxy(pd_node, "/v1/completions", body)
+    assert text == text_of(expected)
+    assert events[-1]["usage"] == {k: expected["usage"][k] for k in events[-1]["usage"]}
+    assert sent_blocks(pd_node, f"xfer-{rid}") == -(-length // BLOCK)
+
+
+async def test_first_token_chat_and_concurrency_equal_plain(pd_node, plain_server):
+    bodies = [{"model": "tiny", "max_tokens": 12, "temperature": 0, "stream": True,
+               "messages": [{"role": "user", "content": f"Tell me about river {i} and "
+                                                          "the hills beyond it."}]}
+              for i in range(4)]
+    expected = [await plain_request(plain_server, "/v1/chat/completions",
+                                    {**b, "stream": False}) for b in bodies]
+    got = await asyncio.gather(*(stream_through_proxy(pd_node, "/v1/chat/completions", b)
+                                 for b in bodies))
+    assert [text for _, _, text in got] == [text_of(e) for e in expected]
+    for rid, events, _ in got:
+        assert {e["object"] for e in events} == {"chat.completion.chunk"}
+        assert sent_blocks(pd_node, f"xfer-{rid}") > 0
+
+
+async def test_first_token_that_ends_the_answer_frees_prefill_at_once(pd_node, plain_server):
+    """P's one token is a stop token: the client's whole answer comes from P, D is never
+    asked, and P frees the KV at once instead of holding it for send_timeout_s."""
+    body = {"model": "tiny", "prompt": token_prompt(120, seed=301), "max_tokens": 8,
+            "temperature": 0, "return_token_ids": True}
+    first = (await plain_request(plain_server, "/v1/completions", body)
+             )["choices"][0]["token_ids"][0]
+    del body["return_token_ids"]
+    start = time.monotonic()
+    _, events, _ = await stream_through_proxy(
+        pd_node, "/v1/completions", {**body, "stream": True, "stop_token_ids": [first]})
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    while _kv_usage(pd_node.spec.prefill_url) > 0:
+        # The tests' send_timeout_s is 15 s: well before it, or P held the blocks.
+        assert time.monotonic() - start < 5, "P still holds the stopped request's KV"
+        await asyncio.sleep(0.2)

@@ -22,6 +22,9 @@ FAST = {
     "connect_timeout_s": 1.0,
     "prefill_timeout_s": 3.0,
     "decode_read_timeout_s": 3.0,
+    # These tests cover the classic split (both at once, D's first token); the first-token
+    # mode has its own (test_first_token.py).
+    "first_token_from_prefill": False,
 }
 
 

@@ -106,6 +106,7 @@ class FakeVLLM(FakeServer):
         self.die_after: int | None = None  # abort the connection after this many chunks
         self.skip_done = False  # end the stream cleanly but without [DONE]
         self.finish_reason = "length"
+        self.prompt_token_ids = [1, 2, 3, 4, 5]
         self.app = self._fresh_app()
 
     def _fresh_app(self) -> web.Application:
@@ -157,8 +158,12 @@ class FakeVLLM(FakeServer):
             return web.json_response(body, status=self.status)
         chat = rec.path.endswith("/chat/completions")
         if not rec.body.get("stream"):
-            return web.json_response(_full(self.name, chat, self.finish_reason,
-                                           rec.body.get("max_tokens")))
+            full = _full(self.name, chat, self.finish_reason, rec.body.get("max_tokens"))
+            if rec.body.get("return_token_ids"):  # as vLLM: chat puts the prompt's at the top
+                ids = {"token_ids": [7] if rec.body.get("max_tokens") == 1 else [7, 8, 9, 10]}
+                (full if chat else ids)["prompt_token_ids"] = self.prompt_token_ids
+                full["choices"][0].update(ids)
+            return web.json_response(full)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         if self.hang_after_headers:

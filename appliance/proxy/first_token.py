@@ -1,0 +1,311 @@
+"""First token from P: a streaming client gets P's token the moment P answers.
+
+In the classic split (seeds steps 9-10, 42) the client's first token is D's: D waits for the
+KV, recomputes the last prompt token, and only then speaks, so TTFT = P's prefill + the
+transfer + one D step. Here P's one token goes to the client at once, and D is asked only
+after P has answered, with P's prompt token ids plus that token as its prompt
+(`remote_num_tokens` tells D's connector which prefix P's KV covers): D continues the
+sequence P started instead of sampling its own first token, so the text is the one text a
+single server would produce (token for token under greedy decoding).
+
+Only requests whose meaning survives the split take this path (see `ineligible`); the rest
+use the classic split. Pure functions on decoded JSON, plus the SSE rewriter that turns D's
+stream into the client's (chat chunks from D's completion chunks, usage counted as if one
+server had answered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from appliance.proxy.split import CHAT, prefill_body
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+# Sampling fields D applies to its continuation exactly as one server would from the second
+# token on; D's body keeps only these (a chat request reaches D as a completion of token ids).
+_CONTINUED = frozenset({
+    "model", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed",
+    "repetition_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "user", "priority",
+    "cache_salt", "include_stop_str_in_output",
+})
+# Fields that only shape P's prompt or must hold the neutral value checked below.
+_CHECKED = frozenset({
+    "max_tokens", "min_tokens", "n", "best_of", "presence_penalty", "frequency_penalty",
+    "stop", "logprobs", "echo", "response_format", "add_special_tokens", "use_beam_search",
+})
+_CHAT_ONLY = frozenset({
+    "messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
+    "chat_template", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls",
+    "top_logprobs", "documents",
+})
+_COMPLETIONS_ONLY = frozenset({"prompt", "suffix"})
+_KNOWN_CHAT = _CONTINUED | _CHECKED | _CHAT_ONLY
+_KNOWN_COMPLETIONS = _CONTINUED | _CHECKED | _COMPLETIONS_ONLY
+# Field -> the values that leave its feature off.
+_OFF: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "stop": (None, "", []),
+    "logprobs": (None, False), "echo": (None, False), "use_beam_search": (None, False),
+    "suffix": (None, ""), "tools": (None, []), "top_logprobs": (None, 0),
+    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+}
+
+
+def ineligible(body: dict[str, Any], route: str) -> str | None:
+    """Why this request must use the classic split, or None when P's token may lead.
+
+    Anything that makes a token depend on more than the sequence before it (stop strings
+    and bad words spanning tokens, presence/frequency penalties counting output tokens,
+    structured output, logprobs, several choices) keeps the classic split, as does any field
+    this module does not know.
+    """
+    if body.get("stream") is not True:
+        return "not streaming"  # a whole answer gains nothing from an early first token
+    known = _KNOWN_CHAT if route == CHAT else _KNOWN_COMPLETIONS
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        return f"field {unknown[0]!r}"
+    for key in ("n", "best_of"):
+        if body.get(key) not in (None, 1):
+            return f"{key} > 1"
+    for key, off in _OFF.items():
+        if not any(_same(body.get(key), v) for v in off):
+            return key
+    limit = _max_tokens(body, route)
+    if limit is not None and (not isinstance(limit, int) or limit <= 1):
+        return "max_tokens <= 1"
+    if not isinstance(body.get("min_tokens", 0) or 0, int):
+        return "min_tokens"
+    if route == CHAT:
+        if not all(_text_only(m) for m in body["messages"]):
+            return "non-text message content"
+    else:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str) and not all(type(t) is int for t in prompt):
+            return "several prompts"
+    return None
+
+
+def _same(value: Any, off: Any) -> bool:
+    """value == off, except that a boolean only equals a boolean (in Python False == 0)."""
+    if isinstance(value, bool) or isinstance(off, bool) or off is None:
+        return value is off
+    return value == off
+
+
+def _max_tokens(body: dict[str, Any], route: str) -> Any:
+    if route == CHAT and body.get("max_completion_tokens") is not None:
+        return body["max_completion_tokens"]
+    return body.get("max_tokens")
+
+
+def _text_only(message: Any) -> bool:
+    if not isinstance(message, dict):
+        return False
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" for part in content)
+
+
+def prefill_request(body: dict[str, Any], route: str, transfer_id: str) -> dict[str, Any]:
+    """P's body: the classic one, plus the token ids D will need, and P frees its KV by
+    itself when its one token ends the answer (no D will come)."""
+    out = prefill_body(body, route, transfer_id)
+    out["return_token_ids"] = True
+    out["kv_transfer_params"]["send_on_stop"] = False
+    if body.get("min_tokens"):
+        out["min_tokens"] = 1  # no EOS as the first token, as one server would ensure
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAnswer:
+    """The parts of P's one-token answer that lead the client's stream."""
+
+    id: str
+    created: int
+    model: str
+    text: str
+    token_id: int
+    prompt_token_ids: list[int]
+    finish_reason: str
+    stop_reason: Any
+    usage: dict[str, Any] | None
+
+    @property
+    def stopped(self) -> bool:
+        """P's token ends the answer (EOS, a stop token): nothing for D to do."""
+        return self.finish_reason != "length"
+
+
+def parse_prefill_answer(raw: bytes, route: str) -> PrefillAnswer | None:
+    """P's answer, or None when it cannot lead the stream (then D answers classically)."""
+    try:
+        data = _decode(raw)
+        choice = data["choices"][0]
+        if route == CHAT:
+            message = choice["message"]
+            if message.get("reasoning") or message.get("reasoning_content") \
+                    or message.get("tool_calls"):
+                return None  # a server-side parser owns this text: D must see all of it
+            text = message.get("content") or ""
+            prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        else:
+            text = choice["text"]
+            prompt_ids = choice.get("prompt_token_ids")
+        token_ids = choice["token_ids"]
+        answer = PrefillAnswer(
+            id=data["id"], created=data["created"], model=data["model"], text=text,
+            token_id=token_ids[0], prompt_token_ids=prompt_ids,
+            finish_reason=choice["finish_reason"], stop_reason=choice.get("stop_reason"),
+            usage=data.get("usage"))
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    if (len(token_ids) != 1 or type(answer.token_id) is not int or not isinstance(text, str)
+            or not isinstance(prompt_ids, list) or not prompt_ids
+            or not all(type(t) is int for t in prompt_ids)
+            or not isinstance(answer.finish_reason, str)):
+        return None
+    if text.endswith("\ufffd"):
+        return None  # part of a multi-byte character: only D's detokenizer can finish it
+    return answer
+
+
+def continuation_request(body: dict[str, Any], route: str, answer: PrefillAnswer,
+                         transfer_id: str, bootstrap_addr: str,
+                         engine_id: str) -> dict[str, Any]:
+    """D's body: a completion of P's prompt ids plus P's token, pulling P's KV."""
+    out = {k: v for k, v in body.items() if k in _CONTINUED}
+    limit = _max_tokens(body, route)
+    if limit is not None:
+        out["max_tokens"] = limit - 1
+    if body.get("min_tokens"):
+        out["min_tokens"] = body["min_tokens"] - 1
+    out["prompt"] = [*answer.prompt_token_ids, answer.token_id]
+    out["kv_transfer_params"] = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_bootstrap_addr": bootstrap_addr,
+        "remote_engine_id": engine_id,
+        "transfer_id": transfer_id,
+        "remote_num_tokens": len(answer.prompt_token_ids),
+    }
+    return out
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _wants_usage(body: dict[str, Any]) -> tuple[bool, bool]:
+    opts = body.get("stream_options")
+    if not isinstance(opts, dict):
+        return False, False
+    return bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
+
+
+class ClientStream:
+    """The client's SSE stream: P's token first, then D's chunks rewritten as needed."""
+
+    def __init__(self, body: dict[str, Any], route: str, answer: PrefillAnswer) -> None:
+        self.chat = route == CHAT
+        self.answer = answer
+        self.include_usage, self.continuous_usage = _wants_usage(body)
+        # Completions chunks pass through untouched unless they carry usage.
+        self.rewrites = self.chat or self.include_usage
+        self._pending = b""
+
+    # ---- P's part ----
+
+    def _chunk(self, delta_or_text: Any, finish: str | None, stop_reason: Any = None
+               ) -> dict[str, Any]:
+        a = self.answer
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = delta_or_text
+        else:
+            choice["text"] = delta_or_text
+        choice.update(logprobs=None, finish_reason=finish)
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        out = {"id": a.id, "object": "chat.completion.chunk" if self.chat else
+               "text_completion", "created": a.created, "model": a.model, "choices": [choice]}
+        if self.continuous_usage:
+            out["usage"] = {"prompt_tokens": len(a.prompt_token_ids), "completion_tokens": 1,
+                            "total_tokens": len(a.prompt_token_ids) + 1}
+        return out
+
+    def head(self) -> bytes:
+        """P's token, as the stream's first chunk(s); the whole stream if P stopped."""
+        a = self.answer
+        finish = a.finish_reason if a.stopped else None
+        parts = []
+        if self.chat:  # vLLM opens a chat stream with the role, content empty
+            parts.append(_event(self._chunk({"role": "assistant", "content": ""}, None)))
+            parts.append(_event(self._chunk({"content": a.text}, finish, a.stop_reason)))
+        else:
+            parts.append(_event(self._chunk(a.text, finish, a.stop_reason)))
+        if a.stopped:
+            if self.include_usage and a.usage is not None:
+                parts.append(_event({"id": a.id, "object": "chat.completion.chunk" if self.chat
+                                     else "text_completion", "created": a.created,
+                                     "model": a.model, "choices": [], "usage": a.usage}))
+            parts.append(DONE)
+        return b"".join(parts)
+
+    # ---- D's part ----
+
+    def feed(self, data: bytes) -> bytes:
+        """D's bytes as they come -> the client's bytes (whole events only)."""
+        if not self.rewrites:
+            return data
+        buf = self._pending + data
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self._pending = buf
+            return b""
+        self._pending = buf[cut + 2:]
+        return b"".join(self._rewrite(ev) + b"\n\n" for ev in buf[:cut].split(b"\n\n") if ev)
+
+    def flush(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: ") or event[6:].strip() == b"[DONE]":
+            return event
+        try:
+            obj = _decode(event[6:])
+        except msgspec.DecodeError:
+            return event
+        if not isinstance(obj, dict) or "error" in obj:
+            return event
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            # D counted P's token as prompt: one server counts it as output.
+            for key, step in (("prompt_tokens", -1), ("completion_tokens", 1)):
+                if isinstance(usage.get(key), int):
+                    usage[key] += step
+        if self.chat and isinstance(obj.get("choices"), list):
+            obj["id"] = self.answer.id
+            obj["object"] = "chat.completion.chunk"
+            obj["choices"] = [_chat_choice(c) for c in obj["choices"] if isinstance(c, dict)]
+        return b"data: " + _encode(obj)
+
+
+def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
+    out = {"index": c.get("index", 0), "delta": {"content": c.get("text", "")},
+           "logprobs": None, "finish_reason": c.get("finish_reason")}
+    if "stop_reason" in c and c.get("finish_reason") is not None:
+        out["stop_reason"] = c["stop_reason"]
+    return out

@@ -1,0 +1,131 @@
+"""The scheduler side's bookkeeping on stand-in requests (no engine): what it hands the
+worker for the proxy's first-token mode (seeds steps 12, 18, 23)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from appliance.connector.scheduler import PDScheduler, pull_block_ids
+from appliance.connector.settings import ConnectorSettings
+
+BS = 16
+
+
+class Status(enum.Enum):  # the names vLLM's RequestStatus uses
+    FINISHED_STOPPED = 1
+    FINISHED_LENGTH_CAPPED = 2
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any]
+    num_computed_tokens: int = 0
+    status: Status = Status.FINISHED_LENGTH_CAPPED
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class Blocks:
+    ids: list[int]
+    hashed: int = 0  # leading blocks that were a local prefix hit
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return [self.ids[self.hashed:]]
+
+
+@dataclass
+class Manager:
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.blocks[req_id],)
+
+
+def scheduler(role: str) -> PDScheduler:
+    return PDScheduler(ConnectorSettings(engine_id="e0", role=role,
+                                         bootstrap_addr="http://127.0.0.1:1"), BS)
+
+
+def pull_params(**extra: Any) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "transfer_id": "x1", "remote_engine_id": "p0",
+            "remote_bootstrap_addr": "http://127.0.0.1:1", **extra}
+
+
+@pytest.mark.parametrize(("blocks", "held", "covered", "expected"), [
+    ([5, 6, 7], 0, 48, [5, 6, 7]),  # D's prompt is P's + one token into a fresh block
+    ([5, 6, 7, 8], 0, 48, [5, 6, 7]),  # 48 tokens fill 3 blocks; D's 49th needs a 4th
+    ([5, 6, 7], 0, 33, [5, 6, 7]),  # P's last block is partly filled
+    ([7, 8], 1, 48, [7, 8]),  # one block of local prefix hit
+    ([9], 3, 48, []),  # the prefix hit covers all P holds
+    ([4], 0, 1, [4]),
+])
+def test_pull_block_ids(blocks, held, covered, expected):
+    assert pull_block_ids(blocks, held, covered, BS) == expected
+
+
+def test_decode_pulls_only_the_blocks_the_prefill_holds():
+    s = scheduler("consumer")
+    # P prefilled 48 tokens (3 full blocks); D's prompt is those plus P's first token.
+    req = Req("d1", list(range(49)), pull_params(remote_num_tokens=48))
+    assert s.get_num_new_matched_tokens(req, 0) == (49, True)
+    s.update_state_after_alloc(req, Blocks([10, 11, 12, 13]), 49)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.recvs["d1"].block_ids == [10, 11, 12]
+
+
+def test_decode_without_remote_num_tokens_pulls_every_prompt_block():
+    s = scheduler("consumer")
+    req = Req("d1", list(range(49)), pull_params())
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([10, 11, 12, 13]), 49)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.recvs["d1"].block_ids == [10, 11, 12, 13]
+
+
+@pytest.mark.parametrize("bad", [0, -3, "48", 1.5, True, 50])
+def test_bad_remote_num_tokens_means_a_local_prefill(bad):
+    s = scheduler("consumer")
+    req = Req("d1", list(range(49)), pull_params(remote_num_tokens=bad))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+
+
+def prefill_done(s: PDScheduler, req: Req) -> None:
+    """The step that computes the whole prompt is scheduled (seeds steps 12-13)."""
+    s.kv_cache_manager = Manager({req.request_id: [1, 2, 3]})
+    s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
+    meta = s.build_connector_meta(SimpleNamespace(
+        num_scheduled_tokens={req.request_id: req.num_prompt_tokens}))
+    assert meta.ready_sends[req.request_id] == ("x1", [1, 2, 3])
+
+
+@pytest.mark.parametrize(("send_on_stop", "status", "released"), [
+    (False, Status.FINISHED_STOPPED, True),  # first-token mode, P's answer was all of it
+    (False, Status.FINISHED_LENGTH_CAPPED, False),  # D comes next
+    (None, Status.FINISHED_STOPPED, False),  # classic mode: D is already waiting
+])
+def test_prefill_stopped_at_its_first_token(send_on_stop, status, released):
+    s = scheduler("producer")
+    params = {"do_remote_decode": True, "transfer_id": "x1"}
+    if send_on_stop is not None:
+        params["send_on_stop"] = send_on_stop
+    req = Req("p1", list(range(40)), params, status=status)
+    prefill_done(s, req)
+    # Blocks stay held either way; the worker frees them when told or when D is done.
+    assert s.request_finished(req, ([1, 2, 3],)) == (True, None)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.finished_sends == {"p1"}
+    assert meta.released_sends == ({"x1"} if released else set())
