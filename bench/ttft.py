@@ -94,9 +94,10 @@ def plain_setup(model: Path, log_dir: Path) -> Setup:
 
 
 def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
-               cpu_push_delay_ms: float | None = None) -> Setup:
+               cpu_push_delay_ms: float | None = None, name: str | None = None) -> Setup:
     bport, pport, dport = free_port(), free_port(), free_port()
-    name = "ours" if early_push else "ours-late"
+    if name is None:
+        name = "ours" if early_push else "ours-late"
     if cpu_push_delay_ms is not None:
         name = f"ours-delay{cpu_push_delay_ms:g}"
     boot = ServiceProcess("bootstrap", [sys.executable, "-m", "appliance.bootstrap", "--host",
@@ -120,16 +121,18 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                  bootstrap_url=f"http://127.0.0.1:{bport}", engine_id="p0")
 
 
-def appliance_setup(ours: Setup, log_dir: Path) -> Setup:
-    """The appliance as users meet it: our proxy (P's token first) in front of ours' P and D.
-    Shares ours' servers; the two take turns like every other setup."""
+def appliance_setup(model: Path, log_dir: Path) -> Setup:
+    """The appliance as users meet it: our proxy (P's token first) in front of a P and D of
+    its own (shared servers would see each prompt twice: a prefix-cache hit)."""
+    servers = ours_setup(model, log_dir, name="appliance")
     port = free_port()
     proxy = ServiceProcess(
-        "proxy", [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1", "--port",
-                  str(port), "--prefill", f"{ours.prefill_url},{ours.bootstrap_url}",
-                  "--decode", str(ours.decode_url), "--no-log-requests"],
+        "appliance-proxy", [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1",
+                            "--port", str(port), "--prefill",
+                            f"{servers.prefill_url},{servers.bootstrap_url}",
+                            "--decode", str(servers.decode_url), "--no-log-requests"],
         log_dir / "appliance-proxy.log", health_url=f"http://127.0.0.1:{port}/health")
-    return Setup("appliance", [proxy], proxy_url=f"http://127.0.0.1:{port}")
+    return Setup("appliance", [*servers.services, proxy], proxy_url=f"http://127.0.0.1:{port}")
 
 
 def builtin_setup(model: Path, log_dir: Path) -> Setup:
@@ -286,9 +289,9 @@ def main() -> None:
         makers.append(lambda model, log_dir: ours_setup(model, log_dir, cpu_push_delay_ms=0))
     if not args.skip_builtin:
         makers.append(builtin_setup)
-    setups = [make(model, args.log_dir) for make in makers]
     if not args.skip_appliance:
-        setups.insert(2, appliance_setup(setups[1], args.log_dir))  # after ours, its servers
+        makers.insert(2, appliance_setup)
+    setups = [make(model, args.log_dir) for make in makers]
     started: list[Setup] = []
     try:
         for setup in setups:  # all up at once: they take turns (see measure)

@@ -51,9 +51,10 @@ def pull_block_ids(new_blocks: list[int], held: int, covered: int,
                    block_size: int) -> list[int]:
     """D's blocks that P's KV fills when P's prompt is `covered` tokens long.
 
-    `new_blocks` follow `held` blocks of local prefix hit. D's prompt may run past P's (the
-    proxy's first-token mode appends P's first token, seeds step 42): D asks only for the
-    blocks P holds, so P's last block lines up with D's (the sender right-aligns them).
+    `new_blocks` follow `held` blocks of local prefix hit. D's prompt may run past P's
+    (the proxy's first-token mode appends P's token, which seeds steps 24-25 discard): D
+    asks only for the blocks P holds, so P's last block lines up with D's (the sender
+    right-aligns them).
     """
     keep = max(0, _cdiv(covered, block_size) - held)
     return new_blocks[:keep]

@@ -386,16 +386,20 @@ class Proxy:
             return await self._end_stream(out, rec, d, self._decode_error(d, exc).message,
                                           count=False)
         if upstream.status >= 400:
-            try:
-                raw = await upstream.read()
-            except UpstreamError:
-                raw = b""
-            self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
-            inner = upstream_error_body(upstream.status, raw, f"decode node {d.url}")
+            inner = await self._decode_error_body(d, upstream)
             return await self._end_stream(
                 out, rec, d, f"decode node {d.url} answered {upstream.status}: "
                              f"{inner['error']['message']}", count=False)
         return await self._relay_stream(request, rec, d, upstream, "", out=out, rewrite=stream)
+
+    async def _decode_error_body(self, d: Backend, upstream: Response) -> dict[str, Any]:
+        """D answered an error status: its body, made OpenAI-style, and counted."""
+        try:
+            raw = await upstream.read()
+        except UpstreamError:
+            raw = b""
+        self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
+        return upstream_error_body(upstream.status, raw, f"decode node {d.url}")
 
     async def _end_stream(self, out: web.StreamResponse, rec: Record, d: Backend,
                           error: str, count: bool = True) -> web.StreamResponse:
@@ -474,15 +478,9 @@ class Proxy:
             except UpstreamError as exc:
                 raise self._decode_error(d, exc) from None
             if upstream.status >= 400:
-                try:
-                    raw = await upstream.read()
-                except UpstreamError:
-                    raw = b""
-                self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
+                inner = await self._decode_error_body(d, upstream)
                 if upstream.status < 500:  # the client's mistake, as D words it
-                    return _json(upstream.status, upstream_error_body(
-                        upstream.status, raw, f"decode node {d.url}"), rec)
-                inner = upstream_error_body(upstream.status, raw, f"decode node {d.url}")
+                    return _json(upstream.status, inner, rec)
                 raise ProxyError(502, f"decode node {d.url} answered {upstream.status}: "
                                       f"{inner['error']['message']}")
             content_type = upstream.header("content-type") or "application/json"

@@ -1,8 +1,9 @@
 """First token from P: a streaming client gets P's token the moment P answers.
 
-In the classic split (seeds steps 9-10, 42) the client's first token is D's: D waits for the
-KV, recomputes the last prompt token, and only then speaks, so TTFT = P's prefill + the
-transfer + one D step. Here P's one token goes to the client at once, and D is asked only
+In the classic split the proxy discards P's one token (seeds steps 24-25) and the client's
+first token is D's (38-39): D waits for the KV, recomputes the last prompt token, and only
+then speaks, so TTFT = P's prefill + the transfer + one D step. Here P's token goes to the
+client at once, and D is asked only
 after P has answered, with P's prompt token ids plus that token as its prompt
 (`remote_num_tokens` tells D's connector which prefix P's KV covers): D continues the
 sequence P started instead of sampling its own first token, so the text is the one text a
@@ -21,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.proxy.split import CHAT, prefill_body
+from appliance.proxy.split import CHAT, prefill_body, pull_params
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -189,14 +190,8 @@ def continuation_request(body: dict[str, Any], route: str, answer: PrefillAnswer
     if body.get("min_tokens"):
         out["min_tokens"] = body["min_tokens"] - 1
     out["prompt"] = [*answer.prompt_token_ids, answer.token_id]
-    out["kv_transfer_params"] = {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
-        "remote_bootstrap_addr": bootstrap_addr,
-        "remote_engine_id": engine_id,
-        "transfer_id": transfer_id,
-        "remote_num_tokens": len(answer.prompt_token_ids),
-    }
+    out["kv_transfer_params"] = {**pull_params(transfer_id, bootstrap_addr, engine_id),
+                                 "remote_num_tokens": len(answer.prompt_token_ids)}
     return out
 
 

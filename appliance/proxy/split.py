@@ -74,14 +74,19 @@ def decode_body(body: dict[str, Any], transfer_id: str, bootstrap_addr: str,
                 engine_id: str) -> dict[str, Any]:
     """D gets the client's request as is, plus where to pull the KV from."""
     out = dict(body)
-    out["kv_transfer_params"] = {
+    out["kv_transfer_params"] = pull_params(transfer_id, bootstrap_addr, engine_id)
+    return out
+
+
+def pull_params(transfer_id: str, bootstrap_addr: str, engine_id: str) -> dict[str, Any]:
+    """D's `kv_transfer_params`: pull this transfer's KV from that prefill engine."""
+    return {
         "do_remote_decode": False,
         "do_remote_prefill": True,
         "remote_bootstrap_addr": bootstrap_addr,
         "remote_engine_id": engine_id,
         "transfer_id": transfer_id,
     }
-    return out
 
 
 def prefill_finish_reason(raw: bytes) -> str | None:

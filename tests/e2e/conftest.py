@@ -25,13 +25,14 @@ PREFILL_MAX_LEN = 1024
 
 
 @contextmanager
-def running_node(tiny_model: Path, log_dir: Path, **spec: Any) -> Iterator[LocalNode]:
+def running_node(tiny_model: Path, log_dir: Path, timeout: float = 400,
+                 **spec: Any) -> Iterator[LocalNode]:
     """A node of the tiny model on free ports, stopped afterwards whatever happens."""
     spec.setdefault("connector_extra", dict(TEST_CONNECTOR))
     node = LocalNode(NodeSpec(model=tiny_model, prefill_port=free_port(),
                               decode_port=free_port(), bootstrap_port=free_port(),
                               log_dir=log_dir, **spec))
-    node.start(timeout=400)
+    node.start(timeout=timeout)
     try:
         yield node
     finally:
