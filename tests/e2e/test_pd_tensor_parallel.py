@@ -1,11 +1,20 @@
 """TP=2 on both sides with real vLLM: rank i of P writes rank i's heads into rank i of D.
 
-Each vLLM server runs two CPU workers (one core each); greedy output through the proxy
-equals a plain server's, and P's log shows one write per rank for every transfer.
+Greedy output through the proxy equals P's own (a TP=2 server computing alone: TP changes
+the reduction order, so a TP=1 server is not the reference), and P's log shows one write
+per rank for every transfer.
+
+Needs 8 CPUs: while a request's KV waits to be sent, vLLM keeps stepping P's engine and
+both its workers spin (so does D's while it waits), so on a 2-core machine the Mooncake
+and side-channel threads starve and transfers miss their deadlines (measured: a 8 KiB
+write took 10-50 s, and requests fell back to recomputing on D). The same rank pairing is
+covered on any machine by tests/connector/test_side_channel.py
+(test_tensor_parallel_rank_i_sends_to_rank_i).
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -14,7 +23,9 @@ from tests.conftest import free_port
 from tests.e2e.conftest import log_text, plain_request, running_node, text_of, token_prompt
 from tests.e2e.test_pd_proxy import stream_through_proxy
 
-pytestmark = pytest.mark.slow
+CPUS = len(os.sched_getaffinity(0))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(CPUS < 8, reason=f"TP=2 P and D need 8 CPUs, {CPUS} here")]
 
 TP = ("--tensor-parallel-size", "2")
 
@@ -22,12 +33,10 @@ TP = ("--tensor-parallel-size", "2")
 @pytest.fixture(scope="module")
 def tp_node(tiny_model, tmp_path_factory):
     with running_node(tiny_model, tmp_path_factory.mktemp("tp2-node"), timeout=900,
-                      proxy_port=free_port(),
-                      prefill_cpus=(0, 1), decode_cpus=(0, 1), prefill_args=TP,
-                      decode_args=TP, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                      # Four workers share two cores here: generous deadlines.
-                      connector_extra={"recv_timeout_s": 60, "send_timeout_s": 90,
-                                       "cancel_grace_s": 2}) as node:
+                      proxy_port=free_port(), prefill_cpus=(0, 1, 2, 3),
+                      decode_cpus=(4, 5, 6, 7), prefill_args=TP, decode_args=TP,
+                      extra_env={"VLLM_CPU_OMP_THREADS_BIND": "auto"}) as node:
+        # Each server binds its two ranks to cores of its own set.
         yield node
 
 
@@ -39,10 +48,10 @@ def writes(node, transfer_id: str) -> list[int]:
 
 
 @pytest.mark.parametrize("length", [5, 64, 300])
-async def test_tp2_equals_plain_server(tp_node, plain_server, length):
+async def test_tp2_equals_a_tp2_server_alone(tp_node, length):
     body = {"model": "tiny", "prompt": token_prompt(length, seed=400 + length),
             "max_tokens": 10, "temperature": 0}
-    expected = await plain_request(plain_server, "/v1/completions", body)
+    expected = await plain_request(tp_node.spec.prefill_url, "/v1/completions", body)
     rid, _, text = await stream_through_proxy(tp_node, "/v1/completions",
                                               {**body, "stream": True})
     assert text == text_of(expected)
