@@ -336,9 +336,10 @@ class Proxy:
             return self._prefill_refused(rec, p, p_resp.status, p_raw)
 
         answer = first_token.parse_prefill_answer(p_raw, rec.route)
-        if answer is None:
-            # P's token cannot lead (a parser's output, half a character): D answers
-            # classically, still from P's KV, which P holds for this transfer.
+        if answer is None or not first_token.fits(body, rec.route, answer, d.max_model_len):
+            # P's token cannot lead (a parser's output, half a character), or D would refuse
+            # the length after the stream began: D answers classically, still from P's KV,
+            # which P holds for this transfer.
             self.metrics.first_token.labels("decode").inc()
             d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
             return await self._serve_decode(request, rec, d, rec.route, d_data)

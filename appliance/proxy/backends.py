@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ class Backend:
     last_check: float | None = None  # monotonic
     # Round-robin tie breaker for least-outstanding: how many requests this node was given.
     picked: int = 0
+    # A decode node's context length (from /v1/models; None until known): a continuation
+    # that would not fit is sent the classic way, so the client gets D's 400 as JSON.
+    max_model_len: int | None = None
 
     @property
     def in_rotation(self) -> bool:
@@ -182,9 +186,16 @@ class HealthPoller:
         try:
             await self._get(f"{b.url}/health", self.headers)
         except Exception as exc:  # noqa: BLE001 - any failure takes the node out
+            b.max_model_len = None  # a restarted node may serve another length
             self.backends.set_health(b, False, _reason(exc))
-        else:
-            self.backends.set_health(b, True)
+            return
+        self.backends.set_health(b, True)
+        if b.max_model_len is None:
+            try:
+                b.max_model_len = _max_model_len(
+                    await self._get(f"{b.url}/v1/models", self.headers))
+            except Exception as exc:  # noqa: BLE001 - only an optimisation depends on it
+                log.debug("decode %s: no max_model_len from /v1/models: %s", b.url, exc)
 
     async def _check_prefill(self, b: PrefillBackend) -> None:
         try:
@@ -207,3 +218,11 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "timed out"
     return str(exc) or type(exc).__name__
+
+
+def _max_model_len(raw: bytes) -> int | None:
+    """The smallest `max_model_len` vLLM's /v1/models lists (None: none listed)."""
+    data = json.loads(raw).get("data") or []
+    lengths = [m["max_model_len"] for m in data
+               if isinstance(m, dict) and type(m.get("max_model_len")) is int]
+    return min(lengths) if lengths else None

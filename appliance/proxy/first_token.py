@@ -99,6 +99,19 @@ def _same(value: Any, off: Any) -> bool:
     return value == off
 
 
+def fits(body: dict[str, Any], route: str, answer: PrefillAnswer,
+         max_model_len: int | None) -> bool:
+    """Whether D can take the continuation (None: D's length is not known, assume so).
+
+    D would refuse prompt + max_tokens beyond its context only after the client's stream
+    had started with P's token: such a request goes the classic way, and the client gets
+    D's 400 as JSON, as from one server.
+    """
+    if max_model_len is None:
+        return True
+    return len(answer.prompt_token_ids) + (_max_tokens(body, route) or 1) <= max_model_len
+
+
 def _max_tokens(body: dict[str, Any], route: str) -> Any:
     if route == CHAT and body.get("max_completion_tokens") is not None:
         return body["max_completion_tokens"]

@@ -139,3 +139,17 @@ async def test_first_token_that_ends_the_answer_frees_prefill_at_once(pd_node, p
         # The tests' send_timeout_s is 15 s: well before it, or P held the blocks.
         assert time.monotonic() - start < 5, "P still holds the stopped request's KV"
         await asyncio.sleep(0.2)
+
+
+async def test_streaming_request_too_long_for_decode_gets_json_400(pd_node, plain_server):
+    """P takes it (one token), D would not (prompt + max_tokens beyond its context): the
+    client gets a 400 JSON error as from one server, not a stream cut after P's token."""
+    body = {"model": "tiny", "prompt": token_prompt(100, seed=501), "max_tokens": 4000,
+            "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(plain_server + "/v1/completions", json=body) as r:
+            assert r.status == 400  # the reference refuses it too
+        async with http.post(pd_node.spec.proxy_url + "/v1/completions", json=body) as r:
+            status, answer = r.status, await r.json()
+    assert status == 400, answer
+    assert answer["error"]["message"], answer

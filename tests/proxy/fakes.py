@@ -107,6 +107,7 @@ class FakeVLLM(FakeServer):
         self.skip_done = False  # end the stream cleanly but without [DONE]
         self.finish_reason = "length"
         self.prompt_token_ids = [1, 2, 3, 4, 5]
+        self.max_model_len = 2048
         self.app = self._fresh_app()
 
     def _fresh_app(self) -> web.Application:
@@ -132,7 +133,8 @@ class FakeVLLM(FakeServer):
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": "tiny", "object": "model", "owned_by": self.name}]})
+            {"id": "tiny", "object": "model", "owned_by": self.name,
+             "max_model_len": self.max_model_len}]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         rec = Received(request.path, request.headers.copy(), await request.json())

@@ -12,6 +12,7 @@ from appliance.proxy.first_token import (
     ClientStream,
     PrefillAnswer,
     continuation_request,
+    fits,
     ineligible,
     parse_prefill_answer,
     prefill_request,
@@ -115,6 +116,14 @@ def test_continuation_without_a_limit_has_none():
     out = continuation_request(body, COMPLETIONS, ANSWER, "x1", "http://b:8998", "e0")
     assert "max_tokens" not in out and "min_tokens" not in out
     assert out["prompt"] == [1, 2, 3, 77]
+
+
+def test_fits():
+    assert fits(completion(max_tokens=45), COMPLETIONS, ANSWER, 48)  # 3 + 45
+    assert not fits(completion(max_tokens=46), COMPLETIONS, ANSWER, 48)
+    assert fits(completion(max_tokens=None), COMPLETIONS, ANSWER, 4)
+    assert not fits(completion(max_tokens=None), COMPLETIONS, ANSWER, 3)
+    assert fits(chat(max_completion_tokens=10**6), CHAT, ANSWER, None)  # length unknown
 
 
 def test_parse_prefill_answers():
@@ -352,3 +361,19 @@ async def test_client_leaving_cancels_d(ft: Cluster) -> None:
     await ft.wait_for(lambda: bool(ft.decode[0].received)
                       and ft.decode[0].received[0].finished.is_set())
     assert ft.decode[0].received[0].cancelled
+
+
+async def test_too_long_for_d_goes_classic_and_gets_d_json_error(ft: Cluster) -> None:
+    """P accepts (it computes one token); D would refuse prompt + max_tokens: the client
+    gets D's refusal as JSON, not a stream that starts with P's token and then fails."""
+    node = ft.proxy.proxy.backends.decode[0]
+    await ft.wait_for(lambda: node.max_model_len == 2048)  # read from D's /v1/models
+    node.max_model_len = 100
+    ft.decode[0].status = 400
+    status, (body,) = await stream(ft, "/v1/completions", completion(max_tokens=96))
+    assert status == 400 and body["error"]["message"] == "d0 says no"
+    (d,) = ft.decode[0].received
+    assert d.body["prompt"] == "hello"  # the classic body, after P answered
+    ft.decode[0].status = 200
+    status, evs = await stream(ft, "/v1/completions", completion(max_tokens=95))
+    assert status == 200 and ft.decode[0].received[1].body["prompt"] == [1, 2, 3, 4, 5, 7]
