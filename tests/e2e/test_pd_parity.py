@@ -142,6 +142,10 @@ async def test_z_transfer_metrics_exported(pd_node):
 
 async def test_zz_no_blocks_left_held(pd_node):
     """After every test above: neither side holds KV blocks (no leak on any path)."""
+    await wait_no_blocks_held(pd_node)
+
+
+async def wait_no_blocks_held(pd_node) -> None:
     deadline = time.monotonic() + 30
     while True:
         usage = (_kv_usage(pd_node.spec.prefill_url), _kv_usage(pd_node.spec.decode_url))

@@ -19,7 +19,7 @@ from tests.e2e.conftest import (
     text_of,
     token_prompt,
 )
-from tests.e2e.test_pd_parity import BLOCK, LENGTHS, _kv_usage
+from tests.e2e.test_pd_parity import BLOCK, LENGTHS, _kv_usage, wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +153,23 @@ async def test_streaming_request_too_long_for_decode_gets_json_400(pd_node, plai
             status, answer = r.status, await r.json()
     assert status == 400, answer
     assert answer["error"]["message"], answer
+
+
+async def test_client_leaving_after_p_token_frees_both_sides(pd_node):
+    """The client reads P's token and hangs up while D waits for or reads the KV: D's
+    request is aborted, and neither side keeps blocks for it (dynamo#7489)."""
+    body = {"model": "tiny", "prompt": token_prompt(400, seed=601), "max_tokens": 200,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(pd_node.spec.proxy_url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")  # P's token
+    start = time.monotonic()
+    while max(_kv_usage(pd_node.spec.prefill_url), _kv_usage(pd_node.spec.decode_url)) > 0:
+        assert time.monotonic() - start < 10, "blocks still held after the client left"
+        await asyncio.sleep(0.2)
+
+
+async def test_zz_no_blocks_left_held_after_the_proxy_tests(pd_node):
+    """After every request through the proxy above (both modes, all failure paths)."""
+    await wait_no_blocks_held(pd_node)
