@@ -3,7 +3,8 @@
     python bench/proxy_overhead.py [--seconds 3] [--concurrency 1 64]
 
 Fake P (with its bootstrap) and fake D are aiohttp servers on loopback that answer at once
-(D streams 16 SSE events when asked to), each in its own process; the proxy runs in its own
+(D streams 16 SSE events when asked to; a stream goes P first, then D, the proxy's
+first-token mode), each in its own process; the proxy runs in its own
 process, pinned to a core of its own when there are two or more (--no-pin: not); the load
 generator is a small keep-alive HTTP/1.1 client on raw asyncio sockets, so that it stays
 cheap. Direct and proxied load alternate in short slices, so that other work on a shared
@@ -45,13 +46,15 @@ def run_fake(port: int, bootstrap_port: int | None) -> None:
     stream_body = [event(i, "length" if i == CHUNKS - 1 else None) for i in range(CHUNKS)]
     stream_body.append(b"data: [DONE]\n\n")
 
-    def full(n: int) -> bytes:
+    def full(n: int, token_ids: bool = False) -> bytes:
+        choice = {"index": 0, "text": " tok" * n, "finish_reason": "length"}
+        if token_ids:  # what P answers in the proxy's first-token mode
+            choice.update(token_ids=[7] * n, prompt_token_ids=list(range(90)))
         return json.dumps({
             "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
-            "choices": [{"index": 0, "text": " tok" * n, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 90, "completion_tokens": n}}).encode()
+            "choices": [choice], "usage": {"prompt_tokens": 90, "completion_tokens": n}}).encode()
 
-    one, many = full(1), full(CHUNKS)
+    one, one_ids, many = full(1), full(1, token_ids=True), full(CHUNKS)
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -62,8 +65,10 @@ def run_fake(port: int, bootstrap_port: int | None) -> None:
                 await resp.write(chunk)
             await resp.write_eof()
             return resp
-        return web.Response(body=one if body.get("max_tokens") == 1 else many,
-                            content_type="application/json")
+        if body.get("max_tokens") == 1:
+            return web.Response(body=one_ids if body.get("return_token_ids") else one,
+                                content_type="application/json")
+        return web.Response(body=many, content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
