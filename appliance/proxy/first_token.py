@@ -3,11 +3,11 @@
 In the classic split the proxy discards P's one token (seeds steps 24-25) and the client's
 first token is D's (38-39): D waits for the KV, recomputes the last prompt token, and only
 then speaks, so TTFT = P's prefill + the transfer + one D step. Here P's token goes to the
-client at once, and D is asked only
-after P has answered, with P's prompt token ids plus that token as its prompt
-(`remote_num_tokens` tells D's connector which prefix P's KV covers): D continues the
-sequence P started instead of sampling its own first token, so the text is the one text a
-single server would produce (token for token under greedy decoding).
+client at once, and D is asked only after P has answered, with P's prompt token ids plus
+that token as its prompt (`remote_num_tokens` tells D's connector which prefix P's KV
+covers): D continues the sequence P started instead of sampling its own first token, so
+the text is the one text a single server would produce (token for token under greedy
+decoding).
 
 Only requests whose meaning survives the split take this path (see `ineligible`); the rest
 use the classic split. Pure functions on decoded JSON, plus the SSE rewriter that turns D's
@@ -156,7 +156,7 @@ class PrefillAnswer:
     @property
     def stopped(self) -> bool:
         """P's token ends the answer (EOS, a stop token): nothing for D to do."""
-        return self.finish_reason != "length"
+        return self.finish_reason == "stop"
 
 
 def parse_prefill_answer(raw: bytes, route: str) -> PrefillAnswer | None:
@@ -185,7 +185,7 @@ def parse_prefill_answer(raw: bytes, route: str) -> PrefillAnswer | None:
     if (len(token_ids) != 1 or type(answer.token_id) is not int or not isinstance(text, str)
             or not isinstance(prompt_ids, list) or not prompt_ids
             or not all(type(t) is int for t in prompt_ids)
-            or not isinstance(answer.finish_reason, str)):
+            or answer.finish_reason not in ("length", "stop")):
         return None
     if text.endswith("\ufffd"):
         return None  # part of a multi-byte character: only D's detokenizer can finish it

@@ -149,6 +149,7 @@ def test_parse_prefill_answers():
     {"prompt_token_ids": None},
     {"prompt_token_ids": [1, "2"]},
     {"finish_reason": None},
+    {"finish_reason": "abort"},
 ])
 def test_prefill_answers_that_cannot_lead(change):
     choice = {"index": 0, "text": " the", "finish_reason": "length", "token_ids": [77],
