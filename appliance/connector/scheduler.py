@@ -82,11 +82,8 @@ class PDScheduler:
             log.warning("req %s: do_remote_prefill sent to a producer; computing locally",
                         request.request_id)
             return 0, False
-        problem = self._pull_params_problem(params)
         prompt_len = len(request.prompt_token_ids or ())
-        if not problem and (params.get("remote_num_tokens") or 0) > prompt_len:
-            problem = (f"remote_num_tokens {params['remote_num_tokens']} exceeds the "
-                       f"{prompt_len}-token prompt")
+        problem = self._pull_params_problem(params, prompt_len)
         if problem:
             # Serve the request by a local prefill rather than wait on a transfer that
             # cannot happen.
@@ -161,7 +158,7 @@ class PDScheduler:
         if params.get("do_remote_prefill"):
             # Finished before it was ever scheduled: P still holds blocks for it.
             params["do_remote_prefill"] = False
-            if not self._pull_params_problem(params):
+            if not self._pull_params_problem(params, len(request.prompt_token_ids or ())):
                 self._release(params)
             return False, None
         if req_id in self._recving:
@@ -194,13 +191,14 @@ class PDScheduler:
             self._meta.ready_sends[req_id] = (send.transfer_id, blocks)
             send.ready = True
 
-    def _pull_params_problem(self, params: dict[str, Any]) -> str | None:
+    def _pull_params_problem(self, params: dict[str, Any], prompt_len: int) -> str | None:
         missing = [p for p in REQUIRED_PULL_PARAMS if not params.get(p)]
         if missing:
             return f"kv_transfer_params lacks {', '.join(missing)}"
         covered = params.get("remote_num_tokens")
-        if covered is not None and (type(covered) is not int or covered < 1):
-            return f"remote_num_tokens must be a positive integer, not {covered!r}"
+        if covered is not None and (type(covered) is not int or not 1 <= covered <= prompt_len):
+            return (f"remote_num_tokens must be an integer from 1 to the prompt's "
+                    f"{prompt_len} tokens, not {covered!r}")
         allowed = self.settings.allowed_bootstrap_addrs
         if allowed is not None and params["remote_bootstrap_addr"] not in allowed:
             return f"bootstrap address {params['remote_bootstrap_addr']!r} is not allowed"

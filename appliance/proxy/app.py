@@ -384,14 +384,13 @@ class Proxy:
         try:
             await upstream.head()
         except UpstreamError as exc:
-            return await self._end_stream(out, rec, d, self._decode_error(d, exc).message,
-                                          count=False)
+            return await self._end_stream(out, rec, self._decode_error(d, exc).message)
         if upstream.status >= 400:
             inner = await self._decode_error_body(d, upstream)
             return await self._end_stream(
-                out, rec, d, f"decode node {d.url} answered {upstream.status}: "
-                             f"{inner['error']['message']}", count=False)
-        return await self._relay_stream(request, rec, d, upstream, "", out=out, rewrite=stream)
+                out, rec, f"decode node {d.url} answered {upstream.status}: "
+                          f"{inner['error']['message']}")
+        return await self._relay_stream(request, rec, d, upstream, out=out, rewrite=stream)
 
     async def _decode_error_body(self, d: Backend, upstream: Response) -> dict[str, Any]:
         """D answered an error status: its body, made OpenAI-style, and counted."""
@@ -402,10 +401,9 @@ class Proxy:
         self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
         return upstream_error_body(upstream.status, raw, f"decode node {d.url}")
 
-    async def _end_stream(self, out: web.StreamResponse, rec: Record, d: Backend,
-                          error: str, count: bool = True) -> web.StreamResponse:
-        if count:
-            self.metrics.upstream_errors.labels("decode", d.url, "stream").inc()
+    async def _end_stream(self, out: web.StreamResponse, rec: Record,
+                          error: str) -> web.StreamResponse:
+        """D failed before its first byte, after P's token went out (counted already)."""
         rec.error = error
         try:
             await out.write(sse_error_event(502, error))
@@ -501,7 +499,7 @@ class Proxy:
             upstream.close()
 
     async def _relay_stream(self, request: web.Request, rec: Record, d: Backend,
-                            upstream: Response, content_type: str, *,
+                            upstream: Response, content_type: str = "", *,
                             out: web.StreamResponse | None = None,
                             rewrite: first_token.ClientStream | None = None
                             ) -> web.StreamResponse:

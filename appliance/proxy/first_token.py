@@ -227,6 +227,7 @@ class ClientStream:
 
     def __init__(self, body: dict[str, Any], route: str, answer: PrefillAnswer) -> None:
         self.chat = route == CHAT
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.answer = answer
         self.include_usage, self.continuous_usage = _wants_usage(body)
         # Completions chunks pass through untouched unless they carry usage.
@@ -235,23 +236,24 @@ class ClientStream:
 
     # ---- P's part ----
 
+    def _envelope(self, choices: list[dict[str, Any]],
+                  usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        a = self.answer
+        out = {"id": a.id, "object": self.object, "created": a.created, "model": a.model,
+               "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
     def _chunk(self, delta_or_text: Any, finish: str | None, stop_reason: Any = None
                ) -> dict[str, Any]:
-        a = self.answer
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["delta"] = delta_or_text
-        else:
-            choice["text"] = delta_or_text
-        choice.update(logprobs=None, finish_reason=finish)
+        choice: dict[str, Any] = {"index": 0, "delta" if self.chat else "text": delta_or_text,
+                                  "logprobs": None, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop_reason
-        out = {"id": a.id, "object": "chat.completion.chunk" if self.chat else
-               "text_completion", "created": a.created, "model": a.model, "choices": [choice]}
-        if self.continuous_usage:
-            out["usage"] = {"prompt_tokens": len(a.prompt_token_ids), "completion_tokens": 1,
-                            "total_tokens": len(a.prompt_token_ids) + 1}
-        return out
+        prompt = len(self.answer.prompt_token_ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
+        return self._envelope([choice], usage if self.continuous_usage else None)
 
     def head(self) -> bytes:
         """P's token, as the stream's first chunk(s); the whole stream if P stopped."""
@@ -265,9 +267,7 @@ class ClientStream:
             parts.append(_event(self._chunk(a.text, finish, a.stop_reason)))
         if a.stopped:
             if self.include_usage and a.usage is not None:
-                parts.append(_event({"id": a.id, "object": "chat.completion.chunk" if self.chat
-                                     else "text_completion", "created": a.created,
-                                     "model": a.model, "choices": [], "usage": a.usage}))
+                parts.append(_event(self._envelope([], a.usage)))
             parts.append(DONE)
         return b"".join(parts)
 
@@ -286,8 +286,9 @@ class ClientStream:
         return b"".join(self._rewrite(ev) + b"\n\n" for ev in buf[:cut].split(b"\n\n") if ev)
 
     def flush(self) -> bytes:
+        """A last event D did not end with a blank line."""
         rest, self._pending = self._pending, b""
-        return rest
+        return self._rewrite(rest.strip()) if rest.strip() else rest
 
     def _rewrite(self, event: bytes) -> bytes:
         if not event.startswith(b"data: ") or event[6:].strip() == b"[DONE]":
@@ -306,7 +307,7 @@ class ClientStream:
                     usage[key] += step
         if self.chat and isinstance(obj.get("choices"), list):
             obj["id"] = self.answer.id
-            obj["object"] = "chat.completion.chunk"
+            obj["object"] = self.object
             obj["choices"] = [_chat_choice(c) for c in obj["choices"] if isinstance(c, dict)]
         return b"data: " + _encode(obj)
 
