@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from appliance.connector.plan import LayoutError, Region
+if TYPE_CHECKING:
+    from appliance.connector.plan import Region
 
 _MAX_ID = 4096  # request, transfer and engine ids are uuids plus prefixes in practice
 _MAX_ITEMS = 1 << 20
+RELEASE_PREFIX = "release-"  # a CancelEntry's d_req_id when no decode request is behind it
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
@@ -107,6 +109,16 @@ class CancelEntry(msgspec.Struct, array_like=True, frozen=True):
     d_req_id: Id
     transfer_id: Id
 
+    @classmethod
+    def release(cls, transfer_id: str) -> CancelEntry:
+        """No decode request will pull this transfer's KV (sent by D's connector when its
+        request never ran, and by the proxy when D never got it): P frees it now."""
+        return cls(RELEASE_PREFIX + transfer_id, transfer_id)
+
+    @property
+    def is_release(self) -> bool:
+        return self.d_req_id == RELEASE_PREFIX + self.transfer_id
+
 
 class CancelRequest(msgspec.Struct, tag="xcancel", omit_defaults=True, frozen=True):
     """D -> P: D gave up on these transfers (deadline, abort) or releases P's blocks."""
@@ -147,6 +159,9 @@ def layout_to_wire(regions: Iterable[Region]) -> list[RegionMsg]:
 
 def layout_from_wire(layout: Sequence[RegionMsg]) -> list[Region]:
     """Regions from the wire; impossible geometry (overlapping blocks, empty) is rejected."""
+    # Imported here so that the proxy, which only sends cancellations, needs no numpy.
+    from appliance.connector.plan import LayoutError, Region
+
     try:
         return [Region(m.base_addr, m.block_stride, m.block_bytes, m.num_blocks) for m in layout]
     except LayoutError as exc:

@@ -141,7 +141,10 @@ class Receiver:
             self._finish(inc, ok=False, error=str(exc))
             return
         if inc.state.terminal or inc.cancelled:
+            # Aborted (or past its deadline) while we looked P up: our blocks are free
+            # already, but P holds the KV for us until send_timeout_s unless told.
             self._finish(inc, ok=False, error="cancelled")
+            await self._send_cancel(addr, m.CancelEntry.release(inc.transfer_id))
             return
         inc.peer = addr
         inc.advance(TransferState.WAITING_FOR_INPUT, d_req=inc.d_req_id, peer=addr)
@@ -218,14 +221,13 @@ class Receiver:
 
     # --- cancellation, release, deadlines -------------------------------------------------
 
-    async def _send_cancel(self, peer: str, d_req_id: str, transfer_id: str) -> None:
-        msg = m.CancelRequest(engine_id=self.settings.engine_id,
-                              reqs=[m.CancelEntry(d_req_id, transfer_id)])
+    async def _send_cancel(self, peer: str, entry: m.CancelEntry) -> None:
+        msg = m.CancelRequest(engine_id=self.settings.engine_id, reqs=[entry])
         await self._peer(peer).send(m.encode_cancel(msg))
 
     async def _cancel(self, inc: Incoming) -> None:
         assert inc.peer is not None
-        await self._send_cancel(inc.peer, inc.d_req_id, inc.transfer_id)
+        await self._send_cancel(inc.peer, m.CancelEntry(inc.d_req_id, inc.transfer_id))
         try:
             await asyncio.wait_for(inc.done.wait(), self.settings.cancel_grace_s)
         except asyncio.TimeoutError:
@@ -237,7 +239,7 @@ class Receiver:
         except BootstrapError as exc:
             log.info("release of %s not delivered: %s", spec.transfer_id, exc)
             return
-        await self._send_cancel(addr, f"release-{spec.transfer_id}", spec.transfer_id)
+        await self._send_cancel(addr, m.CancelEntry.release(spec.transfer_id))
 
     async def _deadline_loop(self) -> None:
         while True:
@@ -249,8 +251,8 @@ class Receiver:
                            f"{self.settings.recv_timeout_s:g}s ({inc.state.value})")
                     if inc.peer is not None and not inc.cancelled:
                         inc.cancelled = True
-                        asyncio.create_task(self._send_cancel(inc.peer, inc.d_req_id,
-                                                              inc.transfer_id))
+                        asyncio.create_task(self._send_cancel(
+                            inc.peer, m.CancelEntry(inc.d_req_id, inc.transfer_id)))
                     self._finish(inc, ok=False, error=why)
                     if inc.peer is not None:
                         # The producer's address may be stale (restart): look it up again.

@@ -315,20 +315,22 @@ class Sender:
         return True, ""
 
     def _cancel(self, identity: bytes, msg: m.CancelRequest) -> None:
-        """D gave up on these transfers; fail those not yet being written, answer for all."""
+        """D gave up on these transfers, or nobody will pull them (a release, from D or the
+        proxy): fail those not yet being written, answer for all."""
         failed: dict[str, str] = {}
         ok: list[str] = []
         for entry in msg.reqs:
             t = self.by_transfer.get(entry.transfer_id)
+            why = ("released: no decode request will pull it" if entry.is_release
+                   else "cancelled by the decode node")
             if t is None or t.state is TransferState.WAITING_FOR_INPUT:
                 if t is not None:
-                    t.fail("cancelled by the decode node", p_req=t.p_req_id,
-                           d_req=entry.d_req_id)
+                    t.fail(why, p_req=t.p_req_id, d_req=entry.d_req_id)
                     t.ready.set()
                     if t.d_req_id is None:
                         self._settle(t)  # else the waiting _push settles and answers
                 else:
-                    self._remember(entry.transfer_id, "cancelled by the decode node")
+                    self._remember(entry.transfer_id, why)
                 failed[entry.d_req_id] = "cancelled"
             elif t.state is TransferState.TRANSFERRING:
                 continue  # _serve answers when the write is over

@@ -32,6 +32,7 @@ from appliance.proxy.errors import (
     upstream_error_body,
 )
 from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.release import KVReleaser, PrefillKV
 from appliance.proxy.routing import Router
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.split import (
@@ -69,6 +70,7 @@ class Record:
     ttfb_s: float | None = None
     fallback: str | None = None
     error: str | None = None
+    kv: PrefillKV | None = None  # set once P is asked to keep KV for a transfer
 
 
 class Proxy:
@@ -94,6 +96,7 @@ class Proxy:
         tick = min(0.25, settings.prefill_timeout_s / 10, settings.decode_read_timeout_s / 10)
         self.upstreams = Upstreams(keepalive_s=4.0,
                                    connect_timeout_s=settings.connect_timeout_s, tick_s=tick)
+        self.releaser = KVReleaser(self.metrics)
 
     async def start(self, _app: web.Application | None = None) -> None:
         # aiohttp's client for the light traffic: health checks, /query, /v1/models.
@@ -112,6 +115,7 @@ class Proxy:
         if self.session is not None:
             await self.session.close()
         await self.upstreams.close()
+        await self.releaser.close()
 
     # ---- auth -------------------------------------------------------------------------
 
@@ -163,6 +167,10 @@ class Proxy:
                               headers={"X-Request-Id": rec.request_id})
         finally:
             self.in_flight -= 1
+            if rec.kv is not None and rec.kv.owed:
+                # However the request ended, no D took P's KV over: free it now rather
+                # than after P's send_timeout_s.
+                self.releaser.release(rec.kv)
             self.metrics.count_request(route, rec.status)
             if self.settings.log_requests:
                 self._log(rec)
@@ -204,19 +212,21 @@ class Proxy:
         h.update(self.base_headers)
         return h
 
-    def _pair(self, rec: Record, p: PrefillBackend, d: Backend) -> tuple[str, str]:
-        """Picks P's dp rank and names the transfer: (transfer id, P's engine id)."""
+    def _pair(self, rec: Record, p: PrefillBackend, d: Backend) -> tuple[PrefillKV, str]:
+        """Picks P's dp rank and names the transfer: (the KV P will hold, P's engine id)."""
         rank, engine_id = p.next_rank()
         # A request id of ours is a fresh uuid4: the transfer id reuses it (as the reference
         # does), which also ties the two together in logs; a client's id is not trusted to be
         # unique, so then the transfer id gets its own.
         rec.transfer_id = f"xfer-{rec.request_id}" if rec.own_request_id else new_transfer_id()
         rec.prefill, rec.decode = f"{p.url}#dp{rank}", d.url
-        return rec.transfer_id, engine_id
+        rec.kv = PrefillKV(p, rank, rec.transfer_id)
+        return rec.kv, engine_id
 
     async def _serve_split(self, request: web.Request, rec: Record, body: dict[str, Any],
                            p: PrefillBackend, d: Backend) -> web.StreamResponse:
-        transfer_id, engine_id = self._pair(rec, p, d)
+        kv, engine_id = self._pair(rec, p, d)
+        transfer_id = kv.transfer_id
         headers = self._headers(rec)
         p_data = _encode(prefill_body(body, rec.route, transfer_id))
         d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
@@ -224,6 +234,7 @@ class Proxy:
         p_timeout = self.settings.prefill_timeout_s
         d_timeout = self.settings.decode_read_timeout_s
 
+        kv.pulling = True  # D's request, sent with P's, asks for the KV
         p.in_flight += 1
         p_counted = True
         p_resp: Response | None = None
@@ -293,6 +304,8 @@ class Proxy:
         self.metrics.upstream_errors.labels("prefill", p.url, error.kind).inc()
         if error.kind == "connect":
             self.backends.mark_failed(p, str(error))
+            if rec.kv is not None:
+                rec.kv.freed = True  # P never got the request (a timed-out one may hold KV)
         if not self.settings.fallback_to_decode:
             raise ProxyError(503, f"prefill node {p.url}: {error}")
         rec.error = f"prefill: {error}"
@@ -302,6 +315,8 @@ class Proxy:
     def _prefill_refused(self, rec: Record, p: PrefillBackend, status: int,
                          raw: bytes) -> web.Response:
         """P answered an error (for example 400, prompt too long): the client gets it."""
+        if rec.kv is not None:
+            rec.kv.freed = True  # a P request that failed frees its own blocks
         self.metrics.upstream_errors.labels("prefill", p.url, _kind(status)).inc()
         rec.error = "prefill failed"
         return _json(status, upstream_error_body(status, raw, f"prefill node {p.url}"), rec)
@@ -310,7 +325,8 @@ class Proxy:
                                  p: PrefillBackend, d: Backend) -> web.StreamResponse:
         """P first; its token goes to the client at once, then D continues after it
         (first_token module). D is asked only once P's answer says what to continue."""
-        transfer_id, engine_id = self._pair(rec, p, d)
+        kv, engine_id = self._pair(rec, p, d)
+        transfer_id = kv.transfer_id
         headers = self._headers(rec)
         p_data = _encode(first_token.prefill_request(body, rec.route, transfer_id))
         started = time.monotonic()
@@ -342,9 +358,11 @@ class Proxy:
             # which P holds for this transfer.
             self.metrics.first_token.labels("decode").inc()
             d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
+            kv.pulling = True
             return await self._serve_decode(request, rec, d, rec.route, d_data)
         stream = first_token.ClientStream(body, rec.route, answer)
         if answer.stopped:  # P's token is the whole answer; P freed its KV by itself
+            kv.freed = True
             self.metrics.first_token.labels("prefill_only").inc()
             out = await self._open_stream(request, rec)
             await out.write(stream.head())
@@ -352,6 +370,7 @@ class Proxy:
             return out
         d_data = _encode(first_token.continuation_request(
             body, rec.route, answer, transfer_id, p.bootstrap_url, engine_id))
+        kv.pulling = True
         try:
             # D is asked before the client hears anything: a client gone by then cancels
             # this handler, which cuts D's call and so frees the KV on both sides.
@@ -454,6 +473,8 @@ class Proxy:
     async def _serve_plain(self, request: web.Request, rec: Record, body: dict[str, Any],
                            d: Backend, reason: str) -> web.StreamResponse:
         """D alone, local prefill, no kv_transfer_params: the fallback when P cannot help."""
+        if rec.kv is not None:
+            rec.kv.pulling = False  # this D request does not ask for whatever P holds
         self.metrics.fallbacks.labels(reason).inc()
         rec.fallback, rec.decode = reason, d.url
         return await self._serve_decode(request, rec, d, rec.route, _encode(body))
@@ -492,6 +513,8 @@ class Proxy:
                 raise ProxyError(502, f"decode node {d.url} failed mid-answer: {exc}") from None
             rec.ttfb_s = time.monotonic() - rec.started
             self.metrics.decode_ttfb.observe(rec.ttfb_s)
+            if rec.kv is not None:
+                rec.kv.decode_answered()
             return web.Response(status=upstream.status, body=raw, headers={
                 "Content-Type": content_type, "X-Request-Id": rec.request_id})
         finally:
@@ -510,8 +533,14 @@ class Proxy:
             await out.prepare(request)
         tail = b""
         error: str | None = None
+        # A 200 stream's head may come before vLLM's engine has the request; its first
+        # chunk comes after: from then on D's connector pulls or frees P's KV.
+        kv = rec.kv if upstream.status < 300 else None
         try:
             async for chunk in upstream.chunks():
+                if kv is not None:
+                    kv.decode_answered()
+                    kv = None
                 if rewrite is not None:
                     chunk = rewrite.feed(chunk)
                     if not chunk:

@@ -54,6 +54,9 @@ class PrefillBackend(Backend):
     bootstrap_url: str = ""
     # dp rank -> engine id, from the bootstrap's /query.
     engine_ids: dict[int, str] = field(default_factory=dict)
+    # dp rank -> its workers' side-channel addresses (every tp and pp rank), same source:
+    # where the proxy sends a release for KV no decode node will pull.
+    side_channels: dict[int, list[str]] = field(default_factory=dict)
     _next_rank: int = 0
 
     @property
@@ -102,10 +105,12 @@ class Backends:
         return self._ready_decode
 
     def set_health(self, b: Backend, healthy: bool, error: str | None = None,
-                   engine_ids: dict[int, str] | None = None) -> None:
+                   engine_ids: dict[int, str] | None = None,
+                   side_channels: dict[int, list[str]] | None = None) -> None:
         was = b.in_rotation
         if engine_ids is not None and isinstance(b, PrefillBackend):
             b.engine_ids = engine_ids
+            b.side_channels = side_channels or {}
         b.healthy = healthy
         b.last_error = error
         b.last_check = time.monotonic()
@@ -207,11 +212,15 @@ class HealthPoller:
         try:
             answer = decode_query(await self._get(f"{b.bootstrap_url}/query"))
             engine_ids = {int(rank): view.engine_id for rank, view in answer.items()}
+            side_channels = {int(rank): [addr for pps in view.worker_addr.values()
+                                         for addr in pps.values()]
+                             for rank, view in answer.items()}
         except Exception as exc:  # noqa: BLE001
             self.backends.set_health(b, True, f"bootstrap: {_reason(exc)}", engine_ids={})
             return
         error = None if engine_ids else "bootstrap knows no engine id yet"
-        self.backends.set_health(b, True, error, engine_ids=engine_ids)
+        self.backends.set_health(b, True, error, engine_ids=engine_ids,
+                                 side_channels=side_channels)
 
 
 def _reason(exc: BaseException) -> str:

@@ -90,6 +90,11 @@ class ProxyMetrics:
             "Streaming requests by who gave the first token: prefill_led (P's token, then D), "
             "prefill_only (P's token ended the answer), decode (classic split: request not "
             "eligible, or P's answer could not lead)", ["outcome"], registry=r)
+        self.kv_releases = Counter(
+            "pd_proxy_kv_releases",
+            "Releases of P's KV that no decode node would pull (D refused or never got the "
+            "request, or the client left first), by outcome: sent, failed, no_address (P's "
+            "side channel unknown; P frees after its send_timeout_s)", ["outcome"], registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors",
                                        "Failed upstream requests by backend and kind",
                                        ["role", "backend", "kind"], registry=r)

@@ -228,6 +228,14 @@ def test_cancel_round_trip_and_side_channel_union() -> None:
     assert decode_side_channel(encode_request(req)) == req
 
 
+def test_release_entries_say_so() -> None:
+    entry = decode_cancel(encode_cancel(CancelRequest("proxy", [CancelEntry.release("x1")]))
+                          ).reqs[0]
+    assert entry.is_release and entry.transfer_id == "x1"
+    assert not CancelEntry("cmpl-d-1", "x1").is_release
+    assert not CancelEntry("release-x2", "x1").is_release  # another transfer's name
+
+
 @pytest.mark.parametrize(
     "data",
     [

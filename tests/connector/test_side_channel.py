@@ -250,6 +250,18 @@ async def test_cancel_while_waiting_frees_both_sides(pair):
     pair.assert_untouched()
 
 
+async def test_cancel_while_looking_up_the_producer_still_frees_prefill(pair):
+    """Aborted before D knew P's address: D's blocks are free at once, and P, which holds
+    the KV for this transfer, is told once the lookup ends (not after send_timeout_s)."""
+    pair.sender.on_ready("p1", "x8", [1, 2], None)
+    pair.sender.on_finished({"p1"})
+    pair.receiver.on_recv("d1", pair.spec("x8", [5, 6]))
+    pair.receiver.on_cancel("d1", "x8")  # before the lookup task has even run
+    assert await pair.results(2) == ({"d1"}, {"d1"})
+    assert await pair.finished_sending(1.5) == {"p1"}  # send_timeout_s is 3
+    pair.assert_untouched()
+
+
 async def test_release_frees_prefill_blocks(pair):
     pair.sender.on_ready("p1", "x6", [1, 2], None)
     pair.sender.on_finished({"p1"})

@@ -93,6 +93,15 @@ class Cluster:
         await self.proxy.close()
         for node in [*self.prefill, *self.bootstraps, *self.decode]:
             await node.stop()
+        for b in self.bootstraps:
+            if b.side is not None:
+                b.side.close()
+
+    def released(self, i: int = 0) -> list[str]:
+        """Transfer ids whose KV the proxy released at prefill node i."""
+        side = self.bootstraps[i].side
+        assert side is not None
+        return side.released
 
 
 MakeCluster = Callable[..., Awaitable[Cluster]]

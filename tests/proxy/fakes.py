@@ -14,7 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+import zmq.asyncio
 from aiohttp import web
+
+from appliance.connector import messages as m
 
 
 @dataclass
@@ -60,8 +64,36 @@ class FakeServer:
         return web.Application()
 
 
+class FakeSideChannel:
+    """A P worker's ZMQ ROUTER as far as the proxy sees it: records the releases it gets."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.addr = f"tcp://127.0.0.1:{port}"
+        self.released: list[str] = []  # transfer ids
+        self._task = asyncio.ensure_future(self._listen())
+
+    async def _listen(self) -> None:
+        while True:
+            identity, payload = await self.sock.recv_multipart()
+            msg = m.decode_side_channel(payload)
+            assert isinstance(msg, m.CancelRequest), msg
+            self.released += [e.transfer_id for e in msg.reqs]
+            await self.sock.send_multipart([identity, m.encode_response(m.TransferResponse(
+                status=m.Status.FINISH, failed={e.d_req_id: "cancelled" for e in msg.reqs}))])
+
+    def close(self) -> None:
+        self._task.cancel()
+        self.sock.close(0)
+        self.ctx.term()
+
+
 class FakeBootstrap(FakeServer):
-    """`GET /query` answers dp rank -> engine id as the MooncakeConnector's bootstrap does."""
+    """`GET /query` answers dp rank -> engine id as the MooncakeConnector's bootstrap does;
+    every rank's one worker is `side` (a real ROUTER socket, see FakeSideChannel)."""
 
     def __init__(self, engines: dict[int, str] | None = None) -> None:
         super().__init__()
@@ -69,7 +101,13 @@ class FakeBootstrap(FakeServer):
         self.fail = False
         self.queries = 0
         self.last_headers: Mapping[str, str] = {}
+        self.side: FakeSideChannel | None = None
         self.app = self._fresh_app()
+
+    async def start(self) -> None:
+        if self.side is None:
+            self.side = FakeSideChannel()
+        await super().start()
 
     def _fresh_app(self) -> web.Application:
         app = web.Application()
@@ -81,8 +119,9 @@ class FakeBootstrap(FakeServer):
         self.last_headers = request.headers.copy()
         if self.fail:
             return web.json_response({"error": "boom"}, status=500)
+        assert self.side is not None
         return web.json_response({
-            str(rank): {"engine_id": eid, "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}
+            str(rank): {"engine_id": eid, "worker_addr": {"0": {"0": self.side.addr}}}
             for rank, eid in self.engines.items()})
 
 

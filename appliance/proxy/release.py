@@ -1,0 +1,116 @@
+"""Releasing KV that P computed for a transfer no decode node will pull.
+
+P keeps a finished prefill's blocks until a D pulls them or `send_timeout_s` passes (seeds
+step 23; 480 s in the reference). D's connector releases them itself when D's scheduler saw
+the request. When D never did (D refused the request before its engine, was unreachable,
+or the client left while D's request was still being admitted), or the proxy gave up on D,
+only the proxy knows nobody will come: it sends P's workers the connector's own release, a
+`CancelRequest` on the side channel, exactly what D's connector sends. A release is
+harmless when a pull did happen: P answers for a transfer already over, and one being
+written finishes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from appliance.connector import messages as m
+from appliance.proxy.backends import PrefillBackend
+from appliance.proxy.metrics import ProxyMetrics
+
+log = logging.getLogger("appliance.proxy.release")
+
+_SEND_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class PrefillKV:
+    """The KV one request's P leg may hold, and who is now responsible for it."""
+
+    p: PrefillBackend
+    rank: int
+    transfer_id: str
+    pulling: bool = False  # the D request in flight asks for this KV
+    taken: bool = False  # D answered that request: D's connector pulls or releases it
+    freed: bool = False  # P holds none: it failed, was never reached, or its token ended it
+
+    @property
+    def owed(self) -> bool:
+        """Nobody will pull it: the proxy must release it."""
+        return not (self.taken or self.freed)
+
+    def decode_answered(self) -> None:
+        if self.pulling:
+            self.taken = True
+
+
+class KVReleaser:
+    """One DEALER per P worker (they are few), replies read and dropped."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.metrics = metrics
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socks: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def release(self, kv: PrefillKV) -> None:
+        """Fire and forget: the request's handler may be cancelled already."""
+        addrs = kv.p.side_channels.get(kv.rank)
+        if not addrs:
+            log.warning("transfer=%s: no side channel known for %s dp %d; P frees the KV "
+                        "after its send_timeout_s", kv.transfer_id, kv.p.url, kv.rank)
+            self.metrics.kv_releases.labels("no_address").inc()
+            return
+        task = asyncio.ensure_future(self._send(list(addrs), kv.transfer_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, addrs: list[str], transfer_id: str) -> None:
+        payload = m.encode_cancel(m.CancelRequest(
+            engine_id="proxy", reqs=[m.CancelEntry.release(transfer_id)]))
+        failed = 0
+        for addr in addrs:
+            try:
+                await asyncio.wait_for(self._sock(addr).send(payload), _SEND_TIMEOUT_S)
+            except (asyncio.TimeoutError, zmq.ZMQError) as exc:
+                failed += 1
+                log.warning("transfer=%s: release to %s not sent: %r", transfer_id, addr, exc)
+        self.metrics.kv_releases.labels("failed" if failed else "sent").inc()
+        if not failed:
+            log.info("transfer=%s: released P's KV at %s", transfer_id, ", ".join(addrs))
+
+    def _sock(self, addr: str) -> zmq.asyncio.Socket:
+        entry = self._socks.get(addr)
+        if entry is None:
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            entry = self._socks[addr] = (sock, asyncio.ensure_future(self._drain(addr, sock)))
+        return entry[0]
+
+    @staticmethod
+    async def _drain(addr: str, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            payload = await sock.recv()
+            try:
+                resp = m.decode_response(payload)
+            except m.MessageError:
+                continue
+            log.debug("release answered by %s: %s", addr, resp)
+
+    async def close(self) -> None:
+        for task in [*self._tasks, *(t for _, t in self._socks.values())]:
+            task.cancel()
+        for sock, _ in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
