@@ -111,7 +111,8 @@ class Receiver:
         """The request was aborted while waiting; its blocks stay held until P confirms."""
         inc = self.incoming.get(req_id)
         if inc is None:
-            self._report(req_id, ok=True)  # already over: let the scheduler free the blocks
+            # Over and reported already: that report frees the blocks. Reporting again
+            # would name a request vLLM has forgotten (its scheduler asserts on that).
             return
         inc.cancelled = True
         if inc.state is TransferState.BOOTSTRAPPING:

@@ -162,9 +162,16 @@ class PDScheduler:
                 self._release(params)
             return False, None
         if req_id in self._recving:
+            if self._meta.recvs.pop(req_id, None) is not None:
+                # Aborted before its pull reached the worker: nothing will write into its
+                # blocks, so they are freed now (a cancel would name a request the worker
+                # never knew); P, which holds the KV, is told.
+                del self._recving[req_id]
+                self._release(params)
+                return False, None
             # Aborted while P may be writing into its blocks: hold them until the worker
-            # reports the pull over.
-            self._meta.recvs.pop(req_id, None)
+            # reports the pull over (once: if that report is already on its way, it frees
+            # them, and the worker ignores the cancel).
             self._meta.cancelled_recvs[req_id] = self._recving[req_id]
             return True, None
         return False, None
@@ -172,6 +179,8 @@ class PDScheduler:
     def update_connector_output(self, finished_recving: set[str] | None) -> None:
         for req_id in finished_recving or ():
             self._recving.pop(req_id, None)
+            # Its report frees the blocks; a cancel still queued would be a second one.
+            self._meta.cancelled_recvs.pop(req_id, None)
 
     # --- helpers ------------------------------------------------------------------------
 

@@ -129,3 +129,47 @@ def test_prefill_stopped_at_its_first_token(send_on_stop, status, released):
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
     assert meta.finished_sends == {"p1"}
     assert meta.released_sends == ({"x1"} if released else set())
+
+
+def _aborted(req: Req) -> Req:
+    req.status = Status.FINISHED_STOPPED
+    return req
+
+
+def test_decode_aborted_before_its_pull_left_frees_at_once_and_releases_p():
+    """Allocated and aborted within one step: the worker never heard of the pull, so the
+    blocks are freed now (no cancel for a request it never knew) and P is told."""
+    s = scheduler("consumer")
+    req = Req("d1", list(range(40)), pull_params())
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([10, 11, 12]), 40)
+    assert s.request_finished(_aborted(req), ([10, 11, 12],)) == (False, None)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.recvs == {} and meta.cancelled_recvs == {}
+    assert [r.transfer_id for r in meta.releases] == ["x1"]
+
+
+def test_decode_aborted_while_pulling_holds_blocks_until_reported_once():
+    s = scheduler("consumer")
+    req = Req("d1", list(range(40)), pull_params())
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([10, 11, 12]), 40)
+    assert "d1" in s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).recvs
+    assert s.request_finished(_aborted(req), ([10, 11, 12],)) == (True, None)
+    # The worker's report of the finished pull is processed before the cancel went out:
+    # that report frees the blocks, so the cancel is dropped (a second report would name a
+    # request vLLM has forgotten, and its scheduler asserts on that).
+    s.update_connector_output({"d1"})
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.cancelled_recvs == {} and meta.releases == []
+
+
+def test_decode_aborted_while_pulling_sends_the_cancel():
+    s = scheduler("consumer")
+    req = Req("d1", list(range(40)), pull_params())
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([10, 11, 12]), 40)
+    s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert s.request_finished(_aborted(req), ([10, 11, 12],)) == (True, None)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.cancelled_recvs == {"d1": "x1"}

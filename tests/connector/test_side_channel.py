@@ -262,6 +262,17 @@ async def test_cancel_while_looking_up_the_producer_still_frees_prefill(pair):
     pair.assert_untouched()
 
 
+async def test_cancel_after_the_pull_was_reported_reports_nothing_more(pair):
+    """The abort crossed the finished pull's report: that report frees D's blocks, and a
+    second one would crash vLLM's scheduler (it asserts the request still exists)."""
+    pair.sender.on_ready("p1", "x3", [1, 2], None)
+    pair.receiver.on_recv("d1", pair.spec("x3", [5, 6]))
+    assert await pair.results() == ({"d1"}, set())
+    pair.receiver.on_cancel("d1", "x3")
+    await asyncio.sleep(0.3)
+    assert pair.receiver.take_results() == (set(), set())
+
+
 async def test_release_frees_prefill_blocks(pair):
     pair.sender.on_ready("p1", "x6", [1, 2], None)
     pair.sender.on_finished({"p1"})

@@ -155,15 +155,19 @@ async def test_streaming_request_too_long_for_decode_gets_json_400(pd_node, plai
     assert answer["error"]["message"], answer
 
 
-async def test_client_leaving_after_p_token_frees_both_sides(pd_node):
-    """The client reads P's token and hangs up while D waits for or reads the KV: D's
-    request is aborted, and neither side keeps blocks for it (dynamo#7489)."""
+@pytest.mark.parametrize("linger", [0, 0.01, 0.03, 0.1, 0.3])
+async def test_client_leaving_after_p_token_frees_both_sides(pd_node, linger):
+    """The client reads P's token and hangs up `linger` s later, while D admits the request,
+    waits for the KV, reads it, or has just finished reading it: D's request is aborted,
+    neither side keeps blocks for it (dynamo#7489), and D's engine survives the abort
+    crossing the pull's completion (a second report of it once crashed vLLM's scheduler)."""
     body = {"model": "tiny", "prompt": token_prompt(400, seed=601), "max_tokens": 200,
             "temperature": 0, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession() as http:
         async with http.post(pd_node.spec.proxy_url + "/v1/completions", json=body) as r:
             assert r.status == 200
             await r.content.readuntil(b"\n\n")  # P's token
+            await asyncio.sleep(linger)
     start = time.monotonic()
     while True:
         held = {"prefill": _kv_usage(pd_node.spec.prefill_url),
