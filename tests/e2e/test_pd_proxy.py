@@ -161,8 +161,9 @@ async def test_client_leaving_after_p_token_frees_both_sides(pd_node, linger):
     waits for the KV, reads it, or has just finished reading it: D's request is aborted,
     neither side keeps blocks for it (dynamo#7489), and D's engine survives the abort
     crossing the pull's completion (a second report of it once crashed vLLM's scheduler)."""
-    body = {"model": "tiny", "prompt": token_prompt(400, seed=601), "max_tokens": 200,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+    prompt = token_prompt(400, seed=600 + int(linger * 1000))  # no prefix cache hits
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession() as http:
         async with http.post(pd_node.spec.proxy_url + "/v1/completions", json=body) as r:
             assert r.status == 200
