@@ -346,13 +346,21 @@ class Sender:
 
     def _settle(self, t: Outgoing) -> None:
         """A transfer reached a terminal state: free its blocks if the scheduler is done."""
-        self.by_transfer.pop(t.transfer_id, None)
-        self._remember(t.transfer_id, t.state.value if not t.error else t.error)
+        if self._unlist(t):
+            self._remember(t.transfer_id, t.state.value if not t.error else t.error)
         if t.p_req_id is None or t.scheduler_finished:
             self._retire(t)
 
+    def _unlist(self, t: Outgoing) -> bool:
+        """Drops t from by_transfer if it is the one listed there; a refused duplicate
+        shares the transfer id of a live transfer, which stays."""
+        if self.by_transfer.get(t.transfer_id) is t:
+            del self.by_transfer[t.transfer_id]
+            return True
+        return False
+
     def _retire(self, t: Outgoing) -> None:
-        self.by_transfer.pop(t.transfer_id, None)
+        self._unlist(t)
         if t.p_req_id is not None and self.by_req.pop(t.p_req_id, None) is not None:
             if t.scheduler_finished:
                 self._report(t.p_req_id)

@@ -216,6 +216,20 @@ async def test_transfer_id_seen_twice_is_rejected(pair):
     assert await pair.finished_sending() == {"p1", "p2"}
 
 
+async def test_second_prefill_with_a_live_transfer_id_leaves_the_first_intact(pair):
+    """A client's kv_transfer_params reused an id while the first prefill's KV still waits
+    for its decode node: the second is refused and freed; the first is still sent, then freed."""
+    pair.sender.on_ready("p1", "x1", [1, 2], None)
+    pair.sender.on_ready("p2", "x1", [4], None)
+    pair.sender.on_finished({"p2"})
+    assert await pair.finished_sending() == {"p2"}
+    pair.sender.on_finished({"p1"})
+    pair.receiver.on_recv("d1", pair.spec("x1", [7, 8]))
+    assert await pair.results() == ({"d1"}, set())
+    pair.assert_copied([1, 2], [7, 8])
+    assert await pair.finished_sending() == {"p1"}
+
+
 async def test_receive_deadline_without_prefill(pair):
     start = time.monotonic()
     pair.receiver.on_recv("d1", pair.spec("nobody", [5]))
