@@ -135,8 +135,11 @@ class Sender:
             return
         if t is None:
             if transfer_id in self._seen:
+                # Over before this prefill finished (released, cancelled, expired), or the
+                # id was used before: either way nobody will pull this KV.
                 dup = Outgoing(transfer_id=transfer_id, p_req_id=req_id)
-                dup.fail("transfer_id seen twice", p_req=req_id)
+                dup.fail(f"transfer already over ({self._seen[transfer_id]}); not sent",
+                         p_req=req_id)
                 self.by_req[req_id] = dup
                 return
             t = self.by_transfer[transfer_id] = Outgoing(transfer_id=transfer_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import time
 
@@ -178,6 +179,50 @@ async def test_client_leaving_after_p_token_frees_both_sides(pd_node, linger):
         # P's send_timeout_s is 15 s here: well before it, or something failed to free P.
         assert time.monotonic() - start < 10, f"blocks still held after the client left: {held}"
         await asyncio.sleep(0.2)
+
+
+async def test_clients_hanging_up_at_random_leave_nothing_held(pd_node, plain_server):
+    """Many clients, both split modes, streaming or not, each hanging up at a random moment
+    (during P's prefill, D's admission, the transfer, decoding, or never): afterwards both
+    engines are alive, no block is held on either side well before P's send_timeout_s, and
+    the next request's output is still a plain server's."""
+    rng = random.Random(7)
+
+    async def one(http: aiohttp.ClientSession, i: int) -> None:
+        body = {"model": "tiny", "prompt": token_prompt(rng.randint(20, 600), seed=900 + i),
+                "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream": rng.random() < 0.7}
+        if rng.random() < 0.3:
+            body["stop"] = ["never-said"]  # not eligible for P's token first
+        hang_up = rng.choice([None, 0.0, *(rng.uniform(0, 1.5) for _ in range(4))])
+
+        async def request() -> None:
+            async with http.post(pd_node.spec.proxy_url + "/v1/completions", json=body) as r:
+                await r.read()
+        try:
+            await asyncio.wait_for(request(), hang_up if hang_up is not None else 120)
+        except asyncio.TimeoutError:
+            pass
+
+    async with aiohttp.ClientSession() as http:
+        for wave in range(4):
+            await asyncio.gather(*(one(http, wave * 6 + k) for k in range(6)))
+        start = time.monotonic()
+        while True:
+            held = {"prefill": _kv_usage(pd_node.spec.prefill_url),
+                    "decode": _kv_usage(pd_node.spec.decode_url)}
+            if not any(held.values()):
+                break
+            assert time.monotonic() - start < 10, f"blocks still held: {held}"
+            await asyncio.sleep(0.2)
+        for url in (pd_node.spec.prefill_url, pd_node.spec.decode_url):
+            async with http.get(url + "/health") as r:
+                assert r.status == 200, f"{url} is not healthy after the hang-ups"
+    body = {"model": "tiny", "prompt": token_prompt(100, seed=999), "max_tokens": 16,
+            "temperature": 0}
+    expected = await plain_request(plain_server, "/v1/completions", body)
+    got = await plain_request(pd_node.spec.proxy_url, "/v1/completions", body)
+    assert text_of(got) == text_of(expected)
 
 
 async def test_zz_no_blocks_left_held_after_the_proxy_tests(pd_node):
