@@ -39,6 +39,11 @@ class PDConnectorMetadata(KVConnectorMetadata):
     # Producer: requests whose blocks the scheduler now holds for the worker; the worker
     # reports them in finished_sending once their transfer is over (step 32).
     finished_sends: set[str] = field(default_factory=set)
+    # Producer: requests vLLM preempted after their KV was marked ready (possible with
+    # async scheduling or pipeline parallelism, where the next step is scheduled before the
+    # previous one's output is in): those blocks are freed and the prompt is recomputed, so
+    # the worker forgets them and waits for the new ones.
+    preempted_sends: set[str] = field(default_factory=set)
     # Producer: transfer ids whose request ended before its KV was computed (aborted,
     # rejected): any decode node waiting on them is told at once.
     aborted_sends: set[str] = field(default_factory=set)

@@ -186,6 +186,13 @@ class PDScheduler:
 
     def _mark_ready_sends(self, scheduler_output: SchedulerOutput) -> None:
         """Tell the worker which sends have their whole prompt computed by this step."""
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            send = self._sends.get(req_id)
+            if send is not None and send.ready:
+                # Its blocks were freed by the preemption: vLLM recomputes the prompt
+                # (requires_kv_delivery), and this marks it ready again, with new blocks.
+                send.ready = False
+                self._meta.preempted_sends.add(req_id)
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id, send in self._sends.items():
             if send.ready or req_id not in scheduled:

@@ -5,7 +5,8 @@ waits until its prefill is computed and the decode node's metadata has arrived),
 (descriptors, batch write, FINISH reply, finished_sending).
 
 Everything here runs on the side-channel loop; vLLM's worker thread only enqueues calls
-(`on_ready`, `on_finished`, `on_aborted`) and reads `take_finished`.
+(`on_ready`, `on_finished`, `on_aborted`, `on_released`; `on_preempted` waited for) and
+reads `take_finished`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Outgoing(Transfer):
     d_req_id: str | None = None  # set once a decode node asked for this transfer
     deadline: float = 0.0
     scheduler_finished: bool = False
+    preempted: bool = False  # its source blocks were freed while being written
 
 
 class Sender:
@@ -147,6 +149,22 @@ class Sender:
         t.deadline = time.monotonic() + self.settings.send_timeout_s
         self.by_req[req_id] = t
         t.ready.set()
+
+    def on_preempted(self, req_ids: set[str]) -> None:
+        """vLLM preempted these prefills after their KV was computed and freed the blocks;
+        it recomputes them, and on_ready comes again with new blocks. A transfer not being
+        written yet waits for those; one being written is failed once its write ends."""
+        for req_id in req_ids:
+            t = self.by_req.get(req_id)
+            if t is None or t.state.terminal:
+                continue  # written and answered already: from the blocks before the free
+            if t.state is TransferState.TRANSFERRING:
+                t.preempted = True
+            else:
+                t.block_ids, t.fence = None, None
+                t.ready.clear()
+            log.info("p_req=%s transfer=%s preempted after its prefill (%s)", req_id,
+                     t.transfer_id, t.state.value)
 
     def on_finished(self, req_ids: set[str]) -> None:
         """The scheduler holds these requests' blocks until we report them (seeds 23, 32)."""
@@ -287,6 +305,8 @@ class Sender:
             self._settle(t)
             return True, ""
         await t.ready.wait()
+        while t.state is not TransferState.FAILED and t.block_ids is None:
+            await t.ready.wait()  # preempted between the wake-up and now: the new blocks
         if t.state is TransferState.FAILED:
             self._settle(t)
             return False, t.error or "failed"
@@ -309,6 +329,13 @@ class Sender:
             t.fail(str(exc), p_req=t.p_req_id, d_req=d_req)
             self._settle(t)
             return False, str(exc)
+        if t.preempted:
+            # The blocks it read were freed under it, and may hold another prompt's KV by
+            # now: D must not use what arrived (it recomputes, by its load-failure policy).
+            t.fail("the prefill was preempted while its KV was being written",
+                   p_req=t.p_req_id, d_req=d_req)
+            self._settle(t)
+            return False, t.error or "preempted"
         self.stats.record_transfer(result.nbytes, result.descriptors, result.seconds)
         t.advance(TransferState.SUCCESS)
         log.info("sent p_req=%s d_req=%s transfer=%s blocks=%d bytes=%d descs=%d in %.1f ms "

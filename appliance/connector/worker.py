@@ -163,6 +163,12 @@ class PDWorker:
         if self.side is None:
             return
         if self.settings.is_producer:
+            if meta.preempted_sends:
+                self._ready.take(set(meta.preempted_sends))  # their blocks are gone
+                # Waited for: once this returns (before this step's forward can rewrite the
+                # freed blocks), a write from them that is still under way is failed.
+                self.loop.call_wait(self.side.on_preempted, set(meta.preempted_sends),
+                                    timeout=10)
             if self.settings.early_push:
                 # Whatever an earlier step computed and has not pushed yet goes now.
                 self._hand_over(self._ready.take())

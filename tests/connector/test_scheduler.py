@@ -173,3 +173,27 @@ def test_decode_aborted_while_pulling_sends_the_cancel():
     assert s.request_finished(_aborted(req), ([10, 11, 12],)) == (True, None)
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
     assert meta.cancelled_recvs == {"d1": "x1"}
+
+
+def test_prefill_preempted_after_ready_is_marked_ready_again_with_new_blocks():
+    """Async scheduling: step N computes the prompt (ready), step N+1's schedule preempts
+    the request before N's output is in; vLLM recomputes it into other blocks."""
+    s = scheduler("producer")
+    req = Req("p1", list(range(40)), {"do_remote_decode": True, "transfer_id": "x1"})
+    prefill_done(s, req)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={},
+                                                  preempted_req_ids={"p1", "other"}))
+    assert meta.preempted_sends == {"p1"} and meta.ready_sends == {}
+    s.kv_cache_manager = Manager({"p1": [7, 8, 9]})
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p1": 40},
+                                                  preempted_req_ids=set()))
+    assert meta.ready_sends == {"p1": ("x1", [7, 8, 9])} and meta.preempted_sends == set()
+
+
+def test_prefill_preempted_before_ready_needs_nothing():
+    s = scheduler("producer")
+    req = Req("p1", list(range(40)), {"do_remote_decode": True, "transfer_id": "x1"})
+    s.update_state_after_alloc(req, Blocks([1, 2]), 0)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={},
+                                                  preempted_req_ids={"p1"}))
+    assert meta.preempted_sends == set()

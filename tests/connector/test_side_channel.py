@@ -230,6 +230,39 @@ async def test_second_prefill_with_a_live_transfer_id_leaves_the_first_intact(pa
     assert await pair.finished_sending() == {"p1"}
 
 
+async def test_prefill_preempted_before_the_pull_sends_the_recomputed_blocks(pair):
+    pair.sender.on_ready("p1", "x1", [1, 2], None)
+    pair.sender.on_preempted({"p1"})  # blocks 1, 2 freed; the prompt is recomputed
+    pair.receiver.on_recv("d1", pair.spec("x1", [7, 8]))
+    await asyncio.sleep(0.3)
+    assert pair.receiver.take_results() == (set(), set())  # waits for the new blocks
+    pair.sender.on_ready("p1", "x1", [3, 4], None)
+    assert await pair.results() == ({"d1"}, set())
+    pair.assert_copied([3, 4], [7, 8])
+    pair.sender.on_finished({"p1"})
+    assert await pair.finished_sending() == {"p1"}
+
+
+async def test_prefill_preempted_during_the_write_fails_the_pull(pair):
+    """The write read blocks that were freed under it: D must not use what arrived."""
+    import threading
+    fence_open = threading.Event()
+    pair.sender.on_ready("p1", "x1", [1, 2], lambda: fence_open.wait(5))
+    pair.receiver.on_recv("d1", pair.spec("x1", [7, 8]))
+    t = pair.sender.by_req["p1"]
+    for _ in range(100):
+        if t.state.value == "transferring":
+            break
+        await asyncio.sleep(0.02)
+    pair.sender.on_preempted({"p1"})
+    fence_open.set()
+    assert await pair.results() == ({"d1"}, {"d1"})
+    # The recomputed prefill finds its transfer over; its blocks are still freed once.
+    pair.sender.on_ready("p1", "x1", [3, 4], None)
+    pair.sender.on_finished({"p1"})
+    assert await pair.finished_sending() == {"p1"}
+
+
 async def test_receive_deadline_without_prefill(pair):
     start = time.monotonic()
     pair.receiver.on_recv("d1", pair.spec("nobody", [5]))

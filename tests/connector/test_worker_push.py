@@ -114,3 +114,24 @@ def test_ready_sends_take_only_what_is_asked() -> None:
     assert ready.take({"b", "zz"}) == [("b", "y", [2])]
     assert ready.ids() == {"a"}
     assert ready.take() == [("a", "x", [1])] and ready.take() == []
+
+
+class PreemptionSender(RecordingSender):
+    def on_preempted(self, req_ids) -> None:
+        time.sleep(0.1)  # the worker thread must wait for this
+        with self.lock:
+            self.calls += [("preempted", r) for r in sorted(req_ids)]
+
+
+def test_preempted_prompt_is_dropped_and_the_sender_told_before_the_forward() -> None:
+    w = producer_worker(PreemptionSender(), "cpu", cpu_push_delay_ms=150)
+    try:
+        w.start_load_kv(PDConnectorMetadata(ready_sends={"r1": ("x1", [1]), "r2": ("x2", [2])}))
+        w.wait_for_save()
+        # The next step preempts r1 before its KV was handed over: only r2 goes.
+        w.start_load_kv(PDConnectorMetadata(preempted_sends={"r1"}))
+        with w.side.lock:  # on_preempted has run by the time start_load_kv returned
+            assert w.side.calls[:1] == [("preempted", "r1")]
+        assert calls(w) == [("preempted", "r1"), ("ready", "r2")]
+    finally:
+        w.loop.stop()
