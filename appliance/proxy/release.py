@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import zmq
@@ -26,6 +27,7 @@ from appliance.proxy.metrics import ProxyMetrics
 log = logging.getLogger("appliance.proxy.release")
 
 _SEND_TIMEOUT_S = 2.0
+_MAX_SOCKETS = 64  # P workers seen lately; a restarted worker listens on a new port
 
 
 @dataclass(slots=True)
@@ -50,12 +52,14 @@ class PrefillKV:
 
 
 class KVReleaser:
-    """One DEALER per P worker (they are few), replies read and dropped."""
+    """One DEALER per P worker address, the least recently used closed beyond
+    _MAX_SOCKETS; replies are read and dropped."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:
         self.metrics = metrics
         self._ctx: zmq.asyncio.Context | None = None
-        self._socks: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
+        self._socks: OrderedDict[str, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = (
+            OrderedDict())
         self._tasks: set[asyncio.Task[None]] = set()
 
     def release(self, kv: PrefillKV) -> None:
@@ -86,14 +90,20 @@ class KVReleaser:
 
     def _sock(self, addr: str) -> zmq.asyncio.Socket:
         entry = self._socks.get(addr)
-        if entry is None:
-            if self._ctx is None:
-                self._ctx = zmq.asyncio.Context()
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(addr)
-            entry = self._socks[addr] = (sock, asyncio.ensure_future(self._drain(addr, sock)))
-        return entry[0]
+        if entry is not None:
+            self._socks.move_to_end(addr)
+            return entry[0]
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        self._socks[addr] = (sock, asyncio.ensure_future(self._drain(addr, sock)))
+        while len(self._socks) > _MAX_SOCKETS:
+            _, (old, task) = self._socks.popitem(last=False)
+            task.cancel()
+            old.close(0)
+        return sock
 
     @staticmethod
     async def _drain(addr: str, sock: zmq.asyncio.Socket) -> None:

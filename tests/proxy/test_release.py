@@ -165,3 +165,22 @@ def test_proxy_imports_without_the_serving_stack() -> None:
             "for name in ('numpy', 'torch', 'vllm', 'mooncake'): sys.modules[name] = None\n"
             "import appliance.proxy.app, appliance.bootstrap.app, appliance.pdctl.cli\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_releaser_keeps_few_sockets(monkeypatch) -> None:
+    """A restarted P worker listens on a new port: old sockets are closed, not hoarded."""
+    from appliance.proxy import release
+    from appliance.proxy.backends import PrefillBackend
+    from appliance.proxy.metrics import ProxyMetrics
+
+    monkeypatch.setattr(release, "_MAX_SOCKETS", 2)
+    releaser = release.KVReleaser(ProxyMetrics())
+    p = PrefillBackend("prefill", "http://127.0.0.1:1")
+    try:
+        for port in (5001, 5002, 5003):
+            p.side_channels = {0: [f"tcp://127.0.0.1:{port}"]}
+            releaser.release(release.PrefillKV(p, 0, f"x{port}"))
+            await asyncio.sleep(0.05)
+        assert list(releaser._socks) == ["tcp://127.0.0.1:5002", "tcp://127.0.0.1:5003"]
+    finally:
+        await releaser.close()
