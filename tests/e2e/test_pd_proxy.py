@@ -181,6 +181,38 @@ async def test_client_leaving_after_p_token_frees_both_sides(pd_node, linger):
         await asyncio.sleep(0.2)
 
 
+async def test_burst_after_idle_transfers_every_kv(pd_node):
+    """After the node idled past every keep-alive, 16 requests at once (both split modes):
+    each one's KV really moves P -> D. Output parity cannot show this (a failed transfer is
+    recomputed by D and gives the same text), so P's and D's logs are read per request
+    (sglang#9266: transfers failing under concurrency or after the router idled)."""
+    await asyncio.sleep(6)  # past the proxy's 4 s and uvicorn's 5 s keep-alive
+    rng = random.Random(11)
+
+    async def one(http: aiohttp.ClientSession, i: int) -> None:
+        body = {"model": "tiny", "prompt": token_prompt(rng.randint(30, 700), seed=1100 + i),
+                "max_tokens": 6, "temperature": 0, "stream": i % 2 == 0}
+        async with http.post(pd_node.spec.proxy_url + "/v1/completions", json=body,
+                             headers={"X-Request-Id": f"burst-{i}"}) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(one(http, i) for i in range(16)))
+    deadline = time.monotonic() + 10
+    while True:  # the log lines are written by other processes' threads
+        p_log, d_log = log_text(pd_node.prefill.log_path), log_text(pd_node.decode.log_path)
+        missing = [i for i in range(16)
+                   if not re.search(rf"sent p_req=\S+ d_req=cmpl-burst-{i}-", p_log)
+                   or f"received d_req=cmpl-burst-{i}-" not in d_log]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"no complete transfer for burst-{missing}"
+        await asyncio.sleep(0.5)
+    assert "burst-" not in "".join(line for line in (p_log + d_log).splitlines(True)
+                                   if "-> failed" in line)
+
+
 async def test_clients_hanging_up_at_random_leave_nothing_held(pd_node, plain_server):
     """Many clients, both split modes, streaming or not, each hanging up at a random moment
     (during P's prefill, D's admission, the transfer, decoding, or never): afterwards both
