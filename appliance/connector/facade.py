@@ -75,7 +75,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         return self._kv_cache_config.transfer_group_ids
 
     def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

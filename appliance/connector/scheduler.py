@@ -20,6 +20,7 @@ worker knows the producer will not write into them any more.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.appliance.connector.scheduler")
 
 REQUIRED_PULL_PARAMS = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")
+_RECENT_PULLS = 4096
 
 
 @dataclass
@@ -67,14 +69,17 @@ class PDScheduler:
         self.kv_cache_manager: KVCacheManager | None = None
         # Producer state.
         self._sends: dict[str, _Send] = {}
-        # Consumer state: requests whose pull is in flight (blocks held for it).
+        # Consumer state: requests whose pull is in flight (blocks held for it), by request
+        # and by transfer, and the transfers pulled lately.
         self._recving: dict[str, str] = {}
+        self._pulling: dict[str, str] = {}
+        self._pulled: OrderedDict[str, None] = OrderedDict()
         self._meta = PDConnectorMetadata()
 
     # --- hooks shared by both roles -----------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
@@ -88,6 +93,16 @@ class PDScheduler:
             # Serve the request by a local prefill rather than wait on a transfer that
             # cannot happen.
             log.warning("req %s: %s; computing the prompt locally", request.request_id, problem)
+            params["do_remote_prefill"] = False
+            return 0, False
+        transfer_id = params["transfer_id"]
+        if transfer_id in self._pulling:
+            # A sibling (another choice of an n > 1 request) is pulling this transfer, and P
+            # serves it once: wait for it; its blocks then serve as a local prefix hit.
+            return None, False
+        if transfer_id in self._pulled:
+            log.info("req %s: transfer %s was pulled by another request; computing the "
+                     "rest of the prompt locally", request.request_id, transfer_id)
             params["do_remote_prefill"] = False
             return 0, False
         count = prompt_len - num_computed_tokens
@@ -113,6 +128,7 @@ class PDScheduler:
                     remote_engine_id=params["remote_engine_id"],
                     remote_bootstrap_addr=params["remote_bootstrap_addr"])
                 self._recving[request.request_id] = params["transfer_id"]
+                self._pulling[params["transfer_id"]] = request.request_id
             else:
                 # Full local prefix hit: nothing to pull, but P holds blocks for us.
                 self._release(params)
@@ -158,7 +174,9 @@ class PDScheduler:
         if params.get("do_remote_prefill"):
             # Finished before it was ever scheduled: P still holds blocks for it.
             params["do_remote_prefill"] = False
-            if not self._pull_params_problem(params, len(request.prompt_token_ids or ())):
+            if (not self._pull_params_problem(params, len(request.prompt_token_ids or ()))
+                    and params["transfer_id"] not in self._pulling
+                    and params["transfer_id"] not in self._pulled):  # a sibling's
                 self._release(params)
             return False, None
         if req_id in self._recving:
@@ -166,7 +184,7 @@ class PDScheduler:
                 # Aborted before its pull reached the worker: nothing will write into its
                 # blocks, so they are freed now (a cancel would name a request the worker
                 # never knew); P, which holds the KV, is told.
-                del self._recving[req_id]
+                self._pulling.pop(self._recving.pop(req_id), None)
                 self._release(params)
                 return False, None
             # Aborted while P may be writing into its blocks: hold them until the worker
@@ -178,7 +196,12 @@ class PDScheduler:
 
     def update_connector_output(self, finished_recving: set[str] | None) -> None:
         for req_id in finished_recving or ():
-            self._recving.pop(req_id, None)
+            transfer_id = self._recving.pop(req_id, None)
+            if transfer_id is not None:
+                self._pulling.pop(transfer_id, None)
+                self._pulled[transfer_id] = None
+                while len(self._pulled) > _RECENT_PULLS:
+                    self._pulled.popitem(last=False)
             # Its report frees the blocks; a cancel still queued would be a second one.
             self._meta.cancelled_recvs.pop(req_id, None)
 

@@ -197,3 +197,32 @@ def test_prefill_preempted_before_ready_needs_nothing():
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={},
                                                   preempted_req_ids={"p1"}))
     assert meta.preempted_sends == set()
+
+
+def test_second_choice_waits_for_the_first_choices_pull_then_computes_locally():
+    """n > 1: vLLM gives each choice its own request with the same kv_transfer_params. P
+    serves a transfer once, so the second waits (None: ask again next step) while the first
+    pulls, then uses the first's blocks as a local prefix hit instead of pulling again."""
+    s = scheduler("consumer")
+    first = Req("0_d1", list(range(40)), pull_params())
+    second = Req("1_d1", list(range(40)), pull_params())
+    assert s.get_num_new_matched_tokens(first, 0) == (40, True)
+    s.update_state_after_alloc(first, Blocks([10, 11, 12]), 40)
+    assert s.get_num_new_matched_tokens(second, 0) == (None, False)
+    s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert s.get_num_new_matched_tokens(second, 0) == (None, False)
+    s.update_connector_output({"0_d1"})  # the first's KV arrived
+    assert s.get_num_new_matched_tokens(second, 32) == (0, False)
+    assert second.kv_transfer_params["do_remote_prefill"] is False
+
+
+def test_waiting_second_choice_aborted_does_not_release_the_firsts_transfer():
+    s = scheduler("consumer")
+    first = Req("0_d1", list(range(40)), pull_params())
+    second = Req("1_d1", list(range(40)), pull_params())
+    s.get_num_new_matched_tokens(first, 0)
+    s.update_state_after_alloc(first, Blocks([10, 11, 12]), 40)
+    assert s.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert s.request_finished(_aborted(second), ((),)) == (False, None)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.releases == [] and "0_d1" in meta.recvs

@@ -181,6 +181,26 @@ async def test_client_leaving_after_p_token_frees_both_sides(pd_node, linger):
         await asyncio.sleep(0.2)
 
 
+async def test_several_choices_equal_plain_and_prefill_once(pd_node, plain_server):
+    """n=2 (seeded sampling: vLLM refuses n>1 when greedy): P prefills once (its token is
+    thrown away, so one choice is enough); D pulls once (the second choice waits for the
+    first's pull and reuses its blocks); the two choices equal a plain server's."""
+    body = {"model": "tiny", "prompt": token_prompt(90, seed=1201), "max_tokens": 8,
+            "temperature": 1.0, "seed": 5, "n": 2}
+    expected = await plain_request(plain_server, "/v1/completions", body)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(pd_node.spec.proxy_url + "/v1/completions", json=body,
+                             headers={"X-Request-Id": "two-choices"}) as r:
+            assert r.status == 200
+            got = await r.json()
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in expected["choices"]]
+    assert len(re.findall(r"sent p_req=\S*cmpl-two-choices-",
+                          log_text(pd_node.prefill.log_path))) == 1
+    assert "already used by another prefill" not in log_text(pd_node.prefill.log_path)
+    # The second choice waited for the first's pull and used its blocks: no second pull.
+    assert "already requested by" not in log_text(pd_node.decode.log_path)
+
+
 async def test_burst_after_idle_transfers_every_kv(pd_node):
     """After the node idled past every keep-alive, 16 requests at once (both split modes):
     each one's KV really moves P -> D. Output parity cannot show this (a failed transfer is

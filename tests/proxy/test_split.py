@@ -51,6 +51,12 @@ def test_prefill_body_chat_caps_both_token_limits() -> None:
     assert "min_tokens" not in body  # would make P refuse max_tokens=1
 
 
+def test_prefill_body_asks_one_choice() -> None:
+    """P's token is thrown away: n copies would prefill n times for one transfer."""
+    body = prefill_body({"model": "m", "prompt": "hi", "n": 3, "best_of": 4}, COMPLETIONS, XFER)
+    assert "n" not in body and "best_of" not in body
+
+
 def test_decode_body_keeps_client_fields() -> None:
     client = {"model": "m", "prompt": "hi", "max_tokens": 128, "stream": True,
               "stream_options": {"include_usage": True}}
