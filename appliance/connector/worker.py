@@ -167,8 +167,12 @@ class PDWorker:
                 self._ready.take(set(meta.preempted_sends))  # their blocks are gone
                 # Waited for: once this returns (before this step's forward can rewrite the
                 # freed blocks), a write from them that is still under way is failed.
-                self.loop.call_wait(self.side.on_preempted, set(meta.preempted_sends),
-                                    timeout=10)
+                try:
+                    self.loop.call_wait(self.side.on_preempted, set(meta.preempted_sends),
+                                        timeout=10)
+                except Exception:  # noqa: BLE001 - never take the engine down for it
+                    log.exception("preemption of %s not handled in time",
+                                  sorted(meta.preempted_sends))
             if self.settings.early_push:
                 # Whatever an earlier step computed and has not pushed yet goes now.
                 self._hand_over(self._ready.take())
