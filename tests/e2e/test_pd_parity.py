@@ -145,11 +145,12 @@ async def test_zz_no_blocks_left_held(pd_node):
     await wait_no_blocks_held(pd_node)
 
 
-async def wait_no_blocks_held(pd_node) -> None:
-    deadline = time.monotonic() + 30
+async def wait_no_blocks_held(pd_node, within: float = 30) -> None:
+    """Until neither P nor D holds a KV block; fails after `within` seconds."""
+    deadline = time.monotonic() + within
     while True:
         usage = (_kv_usage(pd_node.spec.prefill_url), _kv_usage(pd_node.spec.decode_url))
         if usage == (0.0, 0.0):
             return
         assert time.monotonic() < deadline, f"blocks still held: P, D usage = {usage}"
-        await asyncio.sleep(1)
+        await asyncio.sleep(0.2)

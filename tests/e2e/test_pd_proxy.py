@@ -170,15 +170,8 @@ async def test_client_leaving_after_p_token_frees_both_sides(pd_node, linger):
             assert r.status == 200
             await r.content.readuntil(b"\n\n")  # P's token
             await asyncio.sleep(linger)
-    start = time.monotonic()
-    while True:
-        held = {"prefill": _kv_usage(pd_node.spec.prefill_url),
-                "decode": _kv_usage(pd_node.spec.decode_url)}
-        if not any(held.values()):
-            break
-        # P's send_timeout_s is 15 s here: well before it, or something failed to free P.
-        assert time.monotonic() - start < 10, f"blocks still held after the client left: {held}"
-        await asyncio.sleep(0.2)
+    # P's send_timeout_s is 15 s here: well before it, or something failed to free P.
+    await wait_no_blocks_held(pd_node, within=10)
 
 
 async def test_several_choices_equal_plain_and_prefill_once(pd_node, plain_server):
@@ -259,14 +252,7 @@ async def test_clients_hanging_up_at_random_leave_nothing_held(pd_node, plain_se
     async with aiohttp.ClientSession() as http:
         for wave in range(4):
             await asyncio.gather(*(one(http, wave * 6 + k) for k in range(6)))
-        start = time.monotonic()
-        while True:
-            held = {"prefill": _kv_usage(pd_node.spec.prefill_url),
-                    "decode": _kv_usage(pd_node.spec.decode_url)}
-            if not any(held.values()):
-                break
-            assert time.monotonic() - start < 10, f"blocks still held: {held}"
-            await asyncio.sleep(0.2)
+        await wait_no_blocks_held(pd_node, within=10)
         for url in (pd_node.spec.prefill_url, pd_node.spec.decode_url):
             async with http.get(url + "/health") as r:
                 assert r.status == 200, f"{url} is not healthy after the hang-ups"
