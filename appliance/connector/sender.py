@@ -187,18 +187,22 @@ class Sender:
             if t is not None and t.fail(reason, d_req=t.d_req_id):
                 t.ready.set()  # wakes _serve, which answers the decode node
 
-    def on_released(self, transfer_ids: set[str]) -> None:
-        """No decode node will ask for these (the request stopped at its first token and the
-        proxy answered from P): free the blocks now instead of after send_timeout_s."""
+    def on_released(self, transfer_ids: set[str],
+                    why: str = "released by the prefill request") -> None:
+        """No decode node will ask for these: free the blocks now instead of after
+        send_timeout_s. From the scheduler (the request stopped at its first token and the
+        proxy answered from P) and from the side channel (D's request never ran, or the
+        proxy saw D never get it)."""
         for transfer_id in transfer_ids:
             t = self.by_transfer.get(transfer_id)
             if t is None:
-                self._remember(transfer_id, "released by the prefill request")
+                self._remember(transfer_id, why)
             elif t.d_req_id is None and t.state is TransferState.WAITING_FOR_INPUT:
                 t.advance(TransferState.SUCCESS, p_req=t.p_req_id, released=True)
                 t.ready.set()
                 self._settle(t)
-            # else a decode node asked after all: its transfer goes on and settles itself.
+            # else a decode node asked after all: its transfer goes on and settles itself
+            # (or that node's own cancel ends it).
 
     def take_finished(self) -> set[str]:
         with self._finished_lock:
@@ -345,15 +349,19 @@ class Sender:
         return True, ""
 
     def _cancel(self, identity: bytes, msg: m.CancelRequest) -> None:
-        """D gave up on these transfers, or nobody will pull them (a release, from D or the
-        proxy): fail those not yet being written, answer for all."""
+        """D gave up on these transfers: fail those not yet being written, answer for all.
+        Release entries (nobody will pull: from D or the proxy) free without an answer."""
+        releases = {e.transfer_id for e in msg.reqs if e.is_release}
+        if releases:
+            self.on_released(releases, "released: no decode request will pull it")
         failed: dict[str, str] = {}
         ok: list[str] = []
         for entry in msg.reqs:
+            if entry.is_release:
+                continue
             t = self.by_transfer.get(entry.transfer_id)
-            why = ("released: no decode request will pull it" if entry.is_release
-                   else "cancelled by the decode node")
             if t is None or t.state is TransferState.WAITING_FOR_INPUT:
+                why = "cancelled by the decode node"
                 if t is not None:
                     t.fail(why, p_req=t.p_req_id, d_req=entry.d_req_id)
                     t.ready.set()
