@@ -387,10 +387,8 @@ class Proxy:
             d_resp.close()
 
     async def _open_stream(self, request: web.Request, rec: Record) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Request-Id": rec.request_id})
-        await out.prepare(request)
+        """The client's stream, opened with P's token as its first bytes (counted so)."""
+        out = await _prepare_stream(request, rec, 200, "text/event-stream; charset=utf-8")
         rec.ttfb_s = time.monotonic() - rec.started
         self.metrics.decode_ttfb.observe(rec.ttfb_s)
         return out
@@ -527,10 +525,7 @@ class Proxy:
                             rewrite: first_token.ClientStream | None = None
                             ) -> web.StreamResponse:
         if out is None:
-            out = web.StreamResponse(status=upstream.status, headers={
-                "Content-Type": content_type, "Cache-Control": "no-cache",
-                "X-Request-Id": rec.request_id})
-            await out.prepare(request)
+            out = await _prepare_stream(request, rec, upstream.status, content_type)
         tail = b""
         error: str | None = None
         # A 200 stream's head may come before vLLM's engine has the request; its first
@@ -693,6 +688,15 @@ async def serve(settings: ProxySettings) -> RunningProxy:
     host, port = sock.getsockname()[:2]
     host = "127.0.0.1" if host == "0.0.0.0" else host
     return RunningProxy(runner, f"http://{host}:{port}")
+
+
+async def _prepare_stream(request: web.Request, rec: Record, status: int,
+                          content_type: str) -> web.StreamResponse:
+    out = web.StreamResponse(status=status, headers={
+        "Content-Type": content_type, "Cache-Control": "no-cache",
+        "X-Request-Id": rec.request_id})
+    await out.prepare(request)
+    return out
 
 
 def _json(status: int, body: dict[str, Any], rec: Record) -> web.Response:
