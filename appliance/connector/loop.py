@@ -35,16 +35,10 @@ class LoopThread:
 
     def call_wait(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
         """Run fn(*args) on the loop after everything called before it, and wait for it."""
-        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        async def call() -> T:
+            return fn(*args)
 
-        def run() -> None:
-            try:
-                done.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                done.set_exception(exc)
-
-        self.loop.call_soon_threadsafe(run)
-        return done.result(timeout)
+        return self.run(call(), timeout)
 
     def call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the loop after `delay` seconds; returns at once."""

@@ -69,10 +69,9 @@ class PDScheduler:
         self.kv_cache_manager: KVCacheManager | None = None
         # Producer state.
         self._sends: dict[str, _Send] = {}
-        # Consumer state: requests whose pull is in flight (blocks held for it), by request
-        # and by transfer, and the transfers pulled lately.
+        # Consumer state: requests whose pull is in flight (blocks held for it), req_id ->
+        # transfer_id, and the transfers pulled lately.
         self._recving: dict[str, str] = {}
-        self._pulling: dict[str, str] = {}
         self._pulled: OrderedDict[str, None] = OrderedDict()
         self._meta = PDConnectorMetadata()
 
@@ -96,7 +95,7 @@ class PDScheduler:
             params["do_remote_prefill"] = False
             return 0, False
         transfer_id = params["transfer_id"]
-        if transfer_id in self._pulling:
+        if transfer_id in self._recving.values():
             # A sibling (another choice of an n > 1 request) is pulling this transfer, and P
             # serves it once: wait for it; its blocks then serve as a local prefix hit.
             return None, False
@@ -128,7 +127,6 @@ class PDScheduler:
                     remote_engine_id=params["remote_engine_id"],
                     remote_bootstrap_addr=params["remote_bootstrap_addr"])
                 self._recving[request.request_id] = params["transfer_id"]
-                self._pulling[params["transfer_id"]] = request.request_id
             else:
                 # Full local prefix hit: nothing to pull, but P holds blocks for us.
                 self._release(params)
@@ -175,7 +173,7 @@ class PDScheduler:
             # Finished before it was ever scheduled: P still holds blocks for it.
             params["do_remote_prefill"] = False
             if (not self._pull_params_problem(params, len(request.prompt_token_ids or ()))
-                    and params["transfer_id"] not in self._pulling
+                    and params["transfer_id"] not in self._recving.values()
                     and params["transfer_id"] not in self._pulled):  # a sibling's
                 self._release(params)
             return False, None
@@ -184,7 +182,7 @@ class PDScheduler:
                 # Aborted before its pull reached the worker: nothing will write into its
                 # blocks, so they are freed now (a cancel would name a request the worker
                 # never knew); P, which holds the KV, is told.
-                self._pulling.pop(self._recving.pop(req_id), None)
+                del self._recving[req_id]
                 self._release(params)
                 return False, None
             # Aborted while P may be writing into its blocks: hold them until the worker
@@ -198,7 +196,6 @@ class PDScheduler:
         for req_id in finished_recving or ():
             transfer_id = self._recving.pop(req_id, None)
             if transfer_id is not None:
-                self._pulling.pop(transfer_id, None)
                 self._pulled[transfer_id] = None
                 while len(self._pulled) > _RECENT_PULLS:
                     self._pulled.popitem(last=False)

@@ -15,7 +15,6 @@ from appliance.proxy.errors import ProxyError
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
-# Only P's copy: a min_tokens above 1 would make P reject max_tokens=1.
 # P's one token is thrown away: one choice is enough (n > 1 would prefill once per choice and
 # offer D the same transfer several times), and min_tokens would make it refuse max_tokens=1.
 _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "n", "best_of")
