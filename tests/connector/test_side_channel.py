@@ -328,6 +328,18 @@ async def test_release_frees_prefill_blocks(pair):
     pair.assert_untouched()
 
 
+async def test_release_leaves_a_pull_already_waiting_alone(pair):
+    """A release says nobody will pull; a decode node that already asked still gets the KV
+    (its own cancel, not someone's release, ends its pull)."""
+    pair.receiver.on_recv("d1", pair.spec("x4", [7, 8]))
+    await asyncio.sleep(0.3)  # D's request is at P, waiting for the prefill
+    pair.receiver.on_release(ReleaseSpec("x4", "p0", pair.url))
+    await asyncio.sleep(0.3)
+    pair.sender.on_ready("p1", "x4", [1, 2], None)
+    assert await pair.results() == ({"d1"}, set())
+    pair.assert_copied([1, 2], [7, 8])
+
+
 async def test_released_prefill_frees_blocks_and_refuses_a_late_decode(pair):
     pair.sender.on_ready("p1", "x7", [1, 2], None)
     pair.sender.on_finished({"p1"})
