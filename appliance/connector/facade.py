@@ -109,6 +109,13 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called before the forward (and before the metadata is bound), in both of
+        vLLM's model runners: see the hook table in worker.py."""
+        assert self.worker is not None
+        assert isinstance(kv_connector_metadata, PDConnectorMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None
         meta = self._get_connector_metadata()

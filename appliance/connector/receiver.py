@@ -3,8 +3,11 @@
 Seeds steps 19-21 (resolve the producer's workers through its bootstrap sidecar, send our
 Mooncake session, layout and block ids over a ZMQ DEALER) and 34-35 (a FINISH reply marks
 the request received). Beyond the reference: a receive deadline, explicit ERROR handling,
-cancellation that keeps blocks held until the producer confirms, and releases that let the
-producer free KV nobody will fetch.
+releases that let the producer free KV nobody will fetch, and no write into a block given
+back: on a deadline or an abort the blocks stay held until the producer answers, or until
+`cancel_grace_s` past the deadline the producer was sent. The producer starts no batch after
+that deadline (less a margin) and stops a write under way before its next batch, so once the
+bound passes nothing it does can land here.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -38,8 +41,12 @@ class Incoming(Transfer):
     spec: RecvSpec | None = None
     deadline: float = 0.0
     peer: str | None = None  # the producer worker's side-channel address
+    # Given up on (aborted, or past its deadline) while the producer may be writing into
+    # its blocks: they stay held until the producer answers or until hold_until, after
+    # which it can write nothing more (see Receiver._give_up).
     cancelled: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancel_reason: str = ""
+    hold_until: float = 0.0
 
 
 def _remaining_ms(deadline: float) -> int:
@@ -114,12 +121,12 @@ class Receiver:
             # Over and reported already: that report frees the blocks. Reporting again
             # would name a request vLLM has forgotten (its scheduler asserts on that).
             return
-        inc.cancelled = True
         if inc.state is TransferState.BOOTSTRAPPING:
             # Our block ids never left this process: nothing can write into them.
+            inc.cancelled = True
             self._finish(inc, ok=False, error="cancelled before the request was sent")
             return
-        asyncio.create_task(self._cancel(inc))
+        self._give_up(inc, "cancelled: the request was aborted")
 
     def on_release(self, spec: ReleaseSpec) -> None:
         asyncio.create_task(self._release(spec))
@@ -206,7 +213,11 @@ class Receiver:
             peer.layout_sent = False  # the producer restarted or evicted our layout
             for d_req in resp.failed:
                 inc = self.incoming.get(d_req)
-                if inc is not None and not inc.state.terminal:
+                if inc is None or inc.state.terminal:
+                    continue
+                if inc.cancelled:  # the producer never took it: nothing can write
+                    self._finish(inc, ok=False, error=inc.cancel_reason)
+                else:
                     asyncio.create_task(self._send_request(inc, with_layout=True))
             return
         for d_req in resp.ok:
@@ -226,13 +237,26 @@ class Receiver:
         msg = m.CancelRequest(engine_id=self.settings.engine_id, reqs=[entry])
         await self._peer(peer).send(m.encode_cancel(msg))
 
-    async def _cancel(self, inc: Incoming) -> None:
+    def _give_up(self, inc: Incoming, why: str) -> None:
+        """Stop waiting for this pull, keeping its blocks until no write can land in them.
+
+        The producer answers a cancel at once, or once the write under way stops before its
+        next batch; that answer frees the blocks (or, when the write had just completed,
+        delivers the KV after all). Without an answer the blocks go back at `cancel_grace_s`
+        past the deadline the producer was sent: it starts no batch after that deadline (less
+        a margin), and the grace covers the one batch that may have started just before.
+        """
+        if inc.cancelled or inc.state.terminal:
+            return
         assert inc.peer is not None
-        await self._send_cancel(inc.peer, m.CancelEntry(inc.d_req_id, inc.transfer_id))
-        try:
-            await asyncio.wait_for(inc.done.wait(), self.settings.cancel_grace_s)
-        except asyncio.TimeoutError:
-            self._finish(inc, ok=False, error="producer did not confirm the cancellation")
+        inc.cancelled, inc.cancel_reason = True, why
+        inc.hold_until = (max(inc.deadline, time.monotonic())
+                          + self.settings.cancel_grace_s)
+        log.info("d_req=%s transfer=%s %s; blocks held until the producer confirms (at most "
+                 "%.1fs)", inc.d_req_id, inc.transfer_id, why,
+                 inc.hold_until - time.monotonic())
+        asyncio.create_task(self._send_cancel(
+            inc.peer, m.CancelEntry(inc.d_req_id, inc.transfer_id)))
 
     async def _release(self, spec: ReleaseSpec) -> None:
         try:
@@ -247,17 +271,24 @@ class Receiver:
             await asyncio.sleep(0.25)
             now = time.monotonic()
             for inc in list(self.incoming.values()):
-                if not inc.state.terminal and now > inc.deadline:
+                if inc.state.terminal:
+                    continue
+                if inc.cancelled:
+                    if now > inc.hold_until:
+                        self._finish(inc, ok=False, error=(
+                            f"{inc.cancel_reason}; the producer never confirmed, and can "
+                            f"write nothing more {self.settings.cancel_grace_s:g}s past the "
+                            "deadline it was given"))
+                        if inc.peer is not None:
+                            # Its address may be stale (restart): look it up again.
+                            self._forget_peer(inc.peer)
+                elif now > inc.deadline:
                     why = (f"no KV from the producer within recv_timeout_s="
                            f"{self.settings.recv_timeout_s:g}s ({inc.state.value})")
-                    if inc.peer is not None and not inc.cancelled:
-                        inc.cancelled = True
-                        asyncio.create_task(self._send_cancel(
-                            inc.peer, m.CancelEntry(inc.d_req_id, inc.transfer_id)))
-                    self._finish(inc, ok=False, error=why)
-                    if inc.peer is not None:
-                        # The producer's address may be stale (restart): look it up again.
-                        self._forget_peer(inc.peer)
+                    if inc.peer is None:  # never sent: nothing can write into its blocks
+                        self._finish(inc, ok=False, error=why)
+                    else:
+                        self._give_up(inc, why)
 
     def _forget_peer(self, addr: str) -> None:
         for key, workers in list(self._engines.items()):
@@ -272,7 +303,6 @@ class Receiver:
         else:
             ok = False
             inc.fail(error or "failed", d_req=inc.d_req_id)
-        inc.done.set()
         self.stats.record_recv(ok)
         if ok:
             log.info("received d_req=%s transfer=%s blocks=%d in %.1f ms", inc.d_req_id,

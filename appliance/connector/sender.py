@@ -49,12 +49,25 @@ class Outgoing(Transfer):
     deadline: float = 0.0
     scheduler_finished: bool = False
     preempted: bool = False  # its source blocks were freed while being written
+    cancelled: bool = False  # the decode node gave up while it was being written
+    write_by: float = float("inf")  # no batch starts later (the decode node's deadline)
+
+    def stop_reason(self) -> str | None:
+        """Why a write under way must stop before its next batch; asked from a push thread,
+        so only flags the loop sets and the clock are read."""
+        if self.preempted:
+            return "the prefill was preempted while its KV was being written"
+        if self.cancelled:
+            return "cancelled by the decode node"
+        if time.monotonic() > self.write_by:
+            return "the decode node's deadline passed"
+        return None
 
 
 class Sender:
     def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int, dp_rank: int,
-                 stats: TransferStats) -> None:
+                 stats: TransferStats, thread_init: Callable[[], None] | None = None) -> None:
         self.settings = settings
         self.transport = transport
         self.regions = regions
@@ -67,7 +80,11 @@ class Sender:
         self._layouts: OrderedDict[tuple[str, int], list[Region]] = OrderedDict()
         self._finished: set[str] = set()
         self._finished_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(settings.num_workers, thread_name_prefix="pd-push")
+        # thread_init binds each push thread to the worker's GPU (Mooncake's copies and the
+        # fence's event run there; a thread left on device 0 fails or lands on the wrong GPU
+        # for TP ranks > 0).
+        self._pool = ThreadPoolExecutor(settings.num_workers, thread_name_prefix="pd-push",
+                                        initializer=thread_init)
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._bootstrap = BootstrapClient(settings.bootstrap_addr, settings.bootstrap_token)
@@ -321,13 +338,14 @@ class Sender:
             self._settle(t)
             return False, t.error or "deadline"
         t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
+        t.write_by = write_by
         try:
             src, dst = pair_blocks(t.block_ids, list(entry.block_ids))
             descs = build_descriptors(self.regions, dst_regions, src, dst)
             fence = t.fence
             result = await asyncio.get_running_loop().run_in_executor(
                 self._pool, _write, self.transport, fence, session, descs,
-                self.settings.max_batch_descs)
+                self.settings.max_batch_descs, t.stop_reason)
         except (PlanError, TransferError) as exc:
             self.stats.record_failure()
             t.fail(str(exc), p_req=t.p_req_id, d_req=d_req)
@@ -371,7 +389,7 @@ class Sender:
                     self._remember(entry.transfer_id, why)
                 failed[entry.d_req_id] = "cancelled"
             elif t.state is TransferState.TRANSFERRING:
-                continue  # _serve answers when the write is over
+                t.cancelled = True  # stops before its next batch; _serve answers then
             elif t.state is TransferState.SUCCESS:
                 ok.append(entry.d_req_id)
             else:
@@ -435,10 +453,10 @@ class Sender:
 
 
 def _write(transport: MooncakeTransport, fence: Callable[[], None] | None, session: str,
-           descs, max_batch: int):
+           descs, max_batch: int, stop: Callable[[], str | None]):
     if fence is not None:
         fence()
-    return transport.write(session, descs, max_batch)
+    return transport.write(session, descs, max_batch, stop)
 
 
 def _zmq_host(host: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,11 @@ _RDMA_REGISTER_HINT = (
 
 class TransferError(RuntimeError):
     """A Mooncake call failed; the message names the call, the peer and a likely cause."""
+
+
+class WriteStopped(TransferError):
+    """A write was stopped between two batches (its deadline passed, or it was cancelled or
+    preempted): the batches before it may have landed, none after it will."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +170,20 @@ class MooncakeTransport:
                     raise TransferError(f"Mooncake batch_unregister_memory returned {ret}")
 
     def write(
-        self, session: str, descs: Descriptors, max_batch: int = MAX_BATCH_DESCS
+        self,
+        session: str,
+        descs: Descriptors,
+        max_batch: int = MAX_BATCH_DESCS,
+        stop: Callable[[], str | None] | None = None,
     ) -> WriteResult:
         """Write every descriptor to ``session``, in batches the peer's queue accepts.
 
-        Seeds step 29. On failure the destination may be partly written (earlier batches, or
-        part of the failed one): the caller must treat the whole request as failed.
+        Seeds step 29. ``stop`` is asked before each batch (the first included, which may
+        come long after the caller decided to write: a GPU fence, a busy peer lock); a reason
+        it returns ends the write there with ``WriteStopped``, so no batch starts after the
+        destination may have given its memory back. On failure the destination may be partly
+        written (earlier batches, or part of the failed one): the caller must treat the whole
+        request as failed.
         """
         engine = self._require_engine()
         batches = split_batches(descs, max_batch)
@@ -179,6 +192,11 @@ class MooncakeTransport:
         with peer_lock:  # seconds count the transfer, not the wait for the peer
             start = time.perf_counter()
             for i, batch in enumerate(batches):
+                why = stop() if stop is not None else None
+                if why:
+                    raise WriteStopped(
+                        f"write to {session} stopped before batch {i + 1}/{len(batches)}: {why}"
+                    )
                 ret = engine.batch_transfer_sync_write(
                     session, batch.srcs, batch.dsts, batch.lengths
                 )

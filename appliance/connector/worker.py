@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from appliance.connector.cpu_features import enable_amx
 from appliance.connector.loop import LoopThread
 from appliance.connector.metadata import PDConnectorMetadata
 from appliance.connector.plan import Region, TensorInfo, registration_spans
@@ -78,6 +79,26 @@ def compute_fence(device: Any) -> Callable[[], None] | None:
     return event.synchronize
 
 
+def thread_binder(device: Any) -> Callable[[], None] | None:
+    """What each push thread runs first: bind it to the worker's GPU.
+
+    A new thread starts on CUDA device 0. Mooncake's copies out of GPU memory (TCP stages
+    through host memory) and the fence's event belong to the worker's own device; on TP
+    ranks > 0 a thread left on device 0 makes a context there and its copies fail or cross
+    GPUs. KV in CPU memory needs nothing.
+    """
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    index = device.index if device.index is not None else 0
+
+    def bind() -> None:
+        import torch
+
+        torch.cuda.set_device(index)
+
+    return bind
+
+
 class ReadySends:
     """Prompts whose KV is computed (or is being computed by this step's forward) and that
     have not been handed to the sender yet: req_id -> (transfer_id, block_ids).
@@ -114,6 +135,11 @@ class PDWorker:
         )
 
         self.settings = settings
+        device_config = getattr(vllm_config, "device_config", None)
+        if getattr(device_config, "device_type", "cpu") == "cpu":
+            # Before the first forward: a decode node's first one reaches vLLM's AMX
+            # attention kernel without anything else having asked for AMX (SIGILL).
+            enable_amx()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
@@ -126,6 +152,7 @@ class PDWorker:
         self.side: Any = None
         self._device: Any = None
         self._ready = ReadySends()
+        self._preemptions_seen: PDConnectorMetadata | None = None
         log.info("%s worker tp %d/%d: Mooncake %s session %s", settings.role, self.tp_rank,
                  self.tp_size, settings.protocol, self.transport.session_id)
 
@@ -147,7 +174,8 @@ class PDWorker:
         from appliance.connector.sender import Sender
 
         sender = Sender(self.settings, self.transport, regions, self.host, self.tp_rank,
-                        self.tp_size, self.dp_rank, self.stats)
+                        self.tp_size, self.dp_rank, self.stats,
+                        thread_init=thread_binder(self._device))
         await sender.start()
         return sender
 
@@ -158,21 +186,52 @@ class PDWorker:
                         self.tp_size, self.stats)
 
     # --- per step -------------------------------------------------------------------------
+    #
+    # Where vLLM 0.32 calls the worker hooks in one engine step. Our loads are asynchronous,
+    # so `scheduler_output.has_sync_kv_loads` is false and start_load_kv follows the forward.
+    #
+    #   V1 runner (v1/worker/gpu_model_runner.py; the CPU build's CPUModelRunner):
+    #     execute_model: handle_preemptions (before _update_states; also with no tokens)
+    #       -> _get_kv_connector_output: bind metadata -> forward -> start_load_kv
+    #       -> wait_for_save -> get_transfer_results -> clear metadata
+    #   V2 runner (v1/worker/gpu/model_runner.py + kv_connector.py; CUDA's default):
+    #     execute_model -> pre_forward: handle_preemptions -> bind metadata
+    #       -> forward -> finish_forward;  (no tokens: no_forward runs the same hooks)
+    #     sample_tokens (sampling launched) -> post_forward: start_load_kv
+    #       -> wait_for_save -> get_transfer_results -> clear metadata
+    #
+    # handle_preemptions is thus the one hook before a forward that may rewrite freed blocks:
+    # preemptions are resolved there. start_load_kv then wait_for_save follow the forward in
+    # both runners. With synchronous loads (another connector's) start_load_kv would precede
+    # the forward, which this code also allows: a step's own prompts are handed over no
+    # earlier than wait_for_save, which always follows the forward.
+
+    def handle_preemptions(self, meta: PDConnectorMetadata) -> None:
+        """Before this step's forward: vLLM preempted these prefills after their KV was
+        marked ready and freed their blocks, which this forward may rewrite. Forget their
+        pending hand-over and tell the sender, waiting for it, so that once this returns a
+        transfer not written yet waits for the recomputed blocks and a write under way stops
+        at its next batch and is reported failed (D recomputes)."""
+        if (self.side is None or not self.settings.is_producer
+                or self._preemptions_seen is meta):
+            return
+        self._preemptions_seen = meta  # once per step, whichever hook comes first
+        if not meta.preempted_sends:
+            return
+        preempted = set(meta.preempted_sends)
+        self._ready.take(preempted)  # their blocks are gone
+        try:
+            self.loop.call_wait(self.side.on_preempted, preempted, timeout=10)
+        except Exception:  # noqa: BLE001 - never take the engine down for it
+            log.exception("preemption of %s not handled in time", sorted(preempted))
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         if self.side is None:
             return
         if self.settings.is_producer:
-            if meta.preempted_sends:
-                self._ready.take(set(meta.preempted_sends))  # their blocks are gone
-                # Waited for: once this returns (before this step's forward can rewrite the
-                # freed blocks), a write from them that is still under way is failed.
-                try:
-                    self.loop.call_wait(self.side.on_preempted, set(meta.preempted_sends),
-                                        timeout=10)
-                except Exception:  # noqa: BLE001 - never take the engine down for it
-                    log.exception("preemption of %s not handled in time",
-                                  sorted(meta.preempted_sends))
+            # A runner that never called handle_preemptions (none in vLLM 0.32) still gets
+            # them handled, as early as it lets us.
+            self.handle_preemptions(meta)
             if self.settings.early_push:
                 # Whatever an earlier step computed and has not pushed yet goes now.
                 self._hand_over(self._ready.take())

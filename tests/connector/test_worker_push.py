@@ -46,6 +46,7 @@ def producer_worker(side, device: str, **settings) -> PDWorker:
     w.side = side
     w._device = torch.device(device)
     w._ready = ReadySends()
+    w._preemptions_seen = None
     return w
 
 
