@@ -83,16 +83,25 @@ class TensorInfo:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     elem_size: int
+    # The allocation the tensor is a view of (torch's untyped storage): (address, bytes).
+    storage: tuple[int, int] | None = None
 
     @classmethod
     def from_tensor(cls, tensor: Any) -> TensorInfo:
         """Read a torch tensor (duck-typed, so this module never imports torch)."""
+        storage = tensor.untyped_storage()
         return cls(
             int(tensor.data_ptr()),
             tuple(int(n) for n in tensor.shape),
             tuple(int(s) for s in tensor.stride()),
             int(tensor.element_size()),
+            (int(storage.data_ptr()), int(storage.nbytes())),
         )
+
+    @property
+    def storage_span(self) -> tuple[int, int]:
+        """(address, length) of the whole allocation; the tensor's own span if unknown."""
+        return self.storage if self.storage is not None else self.span
 
     @property
     def span(self) -> tuple[int, int]:
@@ -216,25 +225,24 @@ def regions_from_layout(
     return regions
 
 
-def registration_spans(
-    items: Iterable[Region | TensorInfo | tuple[int, int]], merge_adjacent: bool = True
-) -> list[tuple[int, int]]:
-    """Unique (address, length) spans to register with Mooncake, sorted and merged.
+def registration_spans(items: Iterable[TensorInfo | tuple[int, int]]) -> list[tuple[int, int]]:
+    """(address, length) spans to register with Mooncake: one per allocation, each once.
 
-    Layers that are views into one buffer overlap or touch; registering them once avoids
-    duplicate or overlapping registrations (seeds step 3).
+    A TensorInfo counts as its storage, the allocation its view lives in: the views of one
+    allocation (every layer of the CPU cache, K and V of one layer) register it once, whole,
+    as the reference registers each storage once. Distinct allocations stay distinct even
+    where they touch (a caching allocator carves neighbours out of one segment): GPUDirect
+    registration may refuse a span that is not one allocation. Spans that overlap (views
+    given as bare spans) are merged.
     """
     spans = sorted(
         span
-        for span in (item if isinstance(item, tuple) else item.span for item in items)
+        for span in (item if isinstance(item, tuple) else item.storage_span for item in items)
         if span[1] > 0
     )
     merged: list[list[int]] = []
     for addr, length in spans:
-        if merged and (
-            addr < merged[-1][0] + merged[-1][1]
-            or (merge_adjacent and addr == merged[-1][0] + merged[-1][1])
-        ):
+        if merged and addr < merged[-1][0] + merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], addr + length - merged[-1][0])
         else:
             merged.append([addr, length])

@@ -11,8 +11,9 @@ stopped at its first token frees its KV at once: no decode node will come for it
 
 Consumer (D): reports the whole prompt as an asynchronous external load, which parks the
 request in WAITING_FOR_REMOTE_KVS (17); vLLM recomputes only the last prompt token once
-the load is reported (37). `remote_num_tokens` says how many prompt tokens P's KV covers
-when D's prompt is longer (P's first token appended): D then pulls only those blocks.
+the load is reported (37). `remote_num_tokens` says P's KV covers D's prompt less its last
+token (the proxy's first-token mode appends P's token): D then pulls only those blocks; any
+other value is refused (nothing pulled, the prompt computed locally, P told to free).
 A request aborted while waiting keeps its blocks until the
 worker knows the producer will not write into them any more.
 """
@@ -89,10 +90,13 @@ class PDScheduler:
         prompt_len = len(request.prompt_token_ids or ())
         problem = self._pull_params_problem(params, prompt_len)
         if problem:
-            # Serve the request by a local prefill rather than wait on a transfer that
-            # cannot happen.
-            log.warning("req %s: %s; computing the prompt locally", request.request_id, problem)
+            # Refused: nothing is pulled, and the request is served by a local prefill
+            # rather than left waiting on a transfer that cannot (or must not) happen.
+            log.warning("req %s: refused its kv_transfer_params: %s; nothing pulled, the "
+                        "prompt is computed locally", request.request_id, problem)
             params["do_remote_prefill"] = False
+            if self._names_a_transfer(params):
+                self._release(params)  # P holds KV for it that nobody will pull
             return 0, False
         transfer_id = params["transfer_id"]
         if transfer_id in self._recving.values():
@@ -231,14 +235,25 @@ class PDScheduler:
         missing = [p for p in REQUIRED_PULL_PARAMS if not params.get(p)]
         if missing:
             return f"kv_transfer_params lacks {', '.join(missing)}"
-        covered = params.get("remote_num_tokens")
-        if covered is not None and (type(covered) is not int or not 1 <= covered <= prompt_len):
-            return (f"remote_num_tokens must be an integer from 1 to the prompt's "
-                    f"{prompt_len} tokens, not {covered!r}")
         allowed = self.settings.allowed_bootstrap_addrs
         if allowed is not None and params["remote_bootstrap_addr"] not in allowed:
             return f"bootstrap address {params['remote_bootstrap_addr']!r} is not allowed"
+        covered = params.get("remote_num_tokens")
+        if covered is not None and (type(covered) is not int or covered != prompt_len - 1):
+            # The only prefix this protocol continues from: P's prompt, when D's prompt is
+            # P's plus P's first token. D reports the whole prompt as loaded, so any other
+            # value would leave tokens counted as computed that nobody wrote.
+            return (f"remote_num_tokens={covered!r}: it must be the prompt's length less one "
+                    f"({prompt_len - 1}, P's prompt before its first token)")
         return None
+
+    def _names_a_transfer(self, params: dict[str, Any]) -> bool:
+        """Whether a refused request names a transfer P may hold KV for, at a bootstrap
+        this node may contact."""
+        if any(not params.get(p) for p in REQUIRED_PULL_PARAMS):
+            return False
+        allowed = self.settings.allowed_bootstrap_addrs
+        return allowed is None or params["remote_bootstrap_addr"] in allowed
 
     def _release(self, params: dict[str, Any]) -> None:
         self._meta.releases.append(ReleaseSpec(

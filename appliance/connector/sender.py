@@ -57,10 +57,10 @@ class Outgoing(Transfer):
         so only flags the loop sets and the clock are read."""
         if self.preempted:
             return "the prefill was preempted while its KV was being written"
-        if self.cancelled:
-            return "cancelled by the decode node"
         if time.monotonic() > self.write_by:
             return "the decode node's deadline passed"
+        if self.cancelled:
+            return "cancelled by the decode node"
         return None
 
 

@@ -237,27 +237,43 @@ def test_registration_spans_of_views_into_one_buffer(torch) -> None:
     layers = [t.view(10, 2, 32) for t in buf.chunk(6)]
     spans = registration_spans(TensorInfo.from_tensor(t) for t in layers)
     assert spans == [(buf.data_ptr(), buf.numel() * 2)]
-    regions = [r for t in layers for r in TensorInfo.from_tensor(t).regions(10)]
-    assert registration_spans(regions) == spans
     inter = torch.empty(10, 6, 64, dtype=torch.bfloat16)
     strided = [inter[:, i] for i in range(6)]
     assert registration_spans(TensorInfo.from_tensor(t) for t in strided) == [
         (inter.data_ptr(), inter.numel() * 2)
     ]
+    # A view of part of a buffer registers the whole buffer, once.
+    assert registration_spans([TensorInfo.from_tensor(buf[64:128])] * 2) == spans
+
+
+def test_registration_spans_one_per_allocation(torch) -> None:
+    """Each allocation once, whole; two allocations never merged into one span."""
+    k, v = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(4, 8, dtype=torch.bfloat16)
+    infos = [TensorInfo.from_tensor(t) for t in (k[1:], k[:2], v)]
+    assert registration_spans(infos) == sorted(
+        [(k.data_ptr(), 64), (v.data_ptr(), 64)])
+
+
+def test_registration_spans_keep_touching_allocations_apart() -> None:
+    """Two allocations carved side by side out of one segment (as a caching allocator
+    does), each holding two layers' views: two spans, not one crossing both."""
+    a, b = (0x10000, 0x4000), (0x14000, 0x4000)
+    views = [TensorInfo(base + off, (4, 256), (256, 1), 2, storage)
+             for storage in (a, b) for base in (storage[0],) for off in (0, 0x2000)]
+    assert registration_spans(views) == [a, b]
+    # Without storages known, the views' own spans: those that overlap merge, touching
+    # ones stay apart.
+    bare = [TensorInfo(v.data_ptr, v.shape, v.strides, v.elem_size) for v in views]
+    assert registration_spans(bare) == [(0x10000, 0x800), (0x12000, 0x800),
+                                        (0x14000, 0x800), (0x16000, 0x800)]
 
 
 # --- registration_spans on synthetic spans ----------------------------------------------------
 
 
-def test_registration_spans_merge_overlapping_and_adjacent() -> None:
+def test_registration_spans_merge_overlapping_only() -> None:
     spans = [(100, 50), (0, 10), (10, 10), (120, 100), (300, 1), (100, 50), (500, 0)]
-    assert registration_spans(spans) == [(0, 20), (100, 120), (300, 1)]
-    assert registration_spans(spans, merge_adjacent=False) == [
-        (0, 10),
-        (10, 10),
-        (100, 120),
-        (300, 1),
-    ]
+    assert registration_spans(spans) == [(0, 10), (10, 10), (100, 120), (300, 1)]
     assert registration_spans([]) == []
     assert registration_spans([(0, 100), (10, 5)]) == [(0, 100)]  # contained
 

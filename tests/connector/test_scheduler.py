@@ -95,12 +95,34 @@ def test_decode_without_remote_num_tokens_pulls_every_prompt_block():
     assert meta.recvs["d1"].block_ids == [10, 11, 12, 13]
 
 
-@pytest.mark.parametrize("bad", [0, -3, "48", 1.5, True, 50])
-def test_bad_remote_num_tokens_means_a_local_prefill(bad):
+@pytest.mark.parametrize("bad", [0, -3, "48", 1.5, True, 50, 1, 47, 49])
+def test_remote_num_tokens_other_than_prompt_less_one_is_refused(bad, caplog):
+    """Only P's prompt before its first token (48 of D's 49) may be continued: any other
+    value would leave D counting tokens as loaded that nobody wrote. Nothing is pulled, the
+    prompt is computed locally, and P is told to free the KV it holds."""
+    import logging
+    logger = logging.getLogger("vllm.appliance.connector.scheduler")
+    logger.addHandler(caplog.handler)  # vLLM's "vllm" logger does not propagate to root
     s = scheduler("consumer")
     req = Req("d1", list(range(49)), pull_params(remote_num_tokens=bad))
-    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    try:
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert req.kv_transfer_params["do_remote_prefill"] is False
+    s.update_state_after_alloc(req, Blocks([10, 11, 12, 13]), 0)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.recvs == {}
+    assert [r.transfer_id for r in meta.releases] == ["x1"]
+    assert "remote_num_tokens" in caplog.text and "refused" in caplog.text
+
+
+def test_refused_params_at_a_foreign_bootstrap_release_nothing():
+    s = PDScheduler(ConnectorSettings(engine_id="e0", role="consumer",
+                                      allowed_bootstrap_addrs=("http://10.0.0.1:8998",)), BS)
+    req = Req("d1", list(range(49)), pull_params(remote_num_tokens=3))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).releases == []
 
 
 def prefill_done(s: PDScheduler, req: Req) -> None:
