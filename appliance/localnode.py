@@ -45,6 +45,9 @@ class NodeSpec:
     kv_load_failure_policy: str = "recompute"
     log_dir: Path = Path("/tmp/pd-node")
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Per role, applied after extra_env (e.g. one OpenMP core list per dp rank of P).
+    prefill_env: dict[str, str] = field(default_factory=dict)
+    decode_env: dict[str, str] = field(default_factory=dict)
     # The proxy as a fourth service (None: no proxy); it listens on proxy_host.
     proxy_port: int | None = None
     proxy_host: str | None = None
@@ -116,8 +119,10 @@ class LocalNode:
                                kv_transfer_config=s.kv_transfer_config(role),
                                extra=(*CPU_SERVE_FLAGS, *(s.prefill_args if role == "kv_producer"
                                                           else s.decode_args)))
+        role_env = s.prefill_env if role == "kv_producer" else s.decode_env
         return ServiceProcess(name, argv, s.log_dir / f"{name}.log",
-                              env={**cpu_env(_omp_bind(cpus), s.host), **s.extra_env},
+                              env={**cpu_env(_omp_bind(cpus), s.host), **s.extra_env,
+                                   **role_env},
                               health_url=f"http://{s.host}:{port}/health", cpus=cpus)
 
     @property
@@ -182,7 +187,10 @@ class LocalNode:
     def _registered(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.spec.bootstrap_url}/query", timeout=2) as r:
-                return any(v.get("engine_id") == self.spec.prefill_engine_id
+                engine = self.spec.prefill_engine_id
+                # With --data-parallel-size vLLM names each rank's engine "<id>_dp<rank>".
+                return any(v.get("engine_id") == engine
+                           or str(v.get("engine_id", "")).startswith(f"{engine}_dp")
                            for v in json.load(r).values())
         except (OSError, ValueError, AttributeError):
             return False

@@ -65,3 +65,63 @@ def test_fresh_venv_twice(tmp_path):
                             capture_output=True, text=True, timeout=900, env=env)
     assert second.returncode == 0 and "already up to date" in second.stdout
     assert _freeze(python) == frozen
+
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# Stands in for the venv's python: pip records its arguments and, like a pip whose
+# configuration knows no index with torch's CPU build, cannot find it unless given one.
+echo "$*" >> "$CALLS"
+if [[ "$1 $2 $3" == "-m pip install" ]]; then
+  if [[ "$*" == *"--extra-index-url"* ]]; then exit 0; fi
+  if [[ -n "${OTHER_FAILURE:-}" ]]; then
+    echo "ERROR: Could not install packages due to an OSError: [Errno 28] No space left" >&2
+    exit 1
+  fi
+  echo "ERROR: Could not find a version that satisfies the requirement torch==2.13.0+cpu" >&2
+  echo "ERROR: No matching distribution found for torch==2.13.0+cpu" >&2
+  exit 1
+fi
+cat >/dev/null  # the import check reads its script from stdin
+exit 0
+"""
+
+
+def _run_torch_step(tmp_path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """install.sh --cpu into a venv whose python is FAKE_PYTHON."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    calls = tmp_path / "calls"
+    base = {k: v for k, v in os.environ.items() if k != "PD_TORCH_INDEX_URL"}
+    res = subprocess.run(["bash", str(INSTALL), "--cpu", "--venv", str(venv)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**base, "CALLS": str(calls), **env})
+    installs = [line for line in calls.read_text().splitlines()
+                if line.startswith("-m pip install")] if calls.exists() else []
+    return res, installs
+
+
+def test_cpu_torch_falls_back_to_pytorchs_index(tmp_path):
+    res, installs = _run_torch_step(tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(installs) == 2
+    assert "--extra-index-url" not in installs[0]  # pip's own configuration first
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in installs[1]
+    said = [line for line in res.stdout.splitlines() if "PyTorch's CPU wheel index" in line]
+    assert len(said) == 1 and "PD_TORCH_INDEX_URL" in said[0]
+
+
+def test_torch_index_from_the_environment_wins(tmp_path):
+    res, installs = _run_torch_step(tmp_path, PD_TORCH_INDEX_URL="http://127.0.0.1:9/whl")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(installs) == 1 and "--extra-index-url http://127.0.0.1:9/whl" in installs[0]
+    assert "PyTorch's CPU wheel index" not in res.stdout
+
+
+def test_other_pip_failures_are_not_retried(tmp_path):
+    res, installs = _run_torch_step(tmp_path, OTHER_FAILURE="1")
+    assert res.returncode != 0 and len(installs) == 1
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("install.sh: error: pip install failed: ERROR: Could not install")

@@ -79,6 +79,19 @@ def compute_fence(device: Any) -> Callable[[], None] | None:
     return event.synchronize
 
 
+def dp_rank_of(parallel_config: Any) -> int:
+    """This engine's data-parallel rank, as the bootstrap sidecar and the proxy count them.
+
+    vLLM 0.32 resets `data_parallel_rank` to 0 in every engine of a dense model (DP is then
+    independent engines, with no process group across them) and keeps the rank in
+    `data_parallel_index`: reading the former makes every rank register as rank 0.
+    """
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel_config, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
 def thread_binder(device: Any) -> Callable[[], None] | None:
     """What each push thread runs first: bind it to the worker's GPU.
 
@@ -142,7 +155,7 @@ class PDWorker:
             enable_amx()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        self.dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        self.dp_rank = dp_rank_of(vllm_config.parallel_config)
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.host = settings.resolved_host()
         self.stats = TransferStats()

@@ -52,6 +52,9 @@ log = logging.getLogger("appliance.proxy")
 
 _encode = msgspec.json.encode
 _OPS_PATHS = frozenset({"/health", "/metrics", "/status"})
+# One upstream call of the cold path: pool, response sent already (or None), body, read
+# timeout, headers.
+_Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
 
 
 @dataclass(slots=True)
@@ -212,6 +215,17 @@ class Proxy:
         h.update(self.base_headers)
         return h
 
+    def _prefill_headers(self, rec: Record, kv: PrefillKV) -> dict[str, str]:
+        """P's headers: with several dp ranks behind P's API server, the rank chosen (as
+        vLLM's own example proxy does), so the prefill runs in the engine whose id D is told
+        to pull from; without it P's server balances by itself and D waits on the wrong
+        engine. One rank alone (no DP, or an external load balancer in front of each rank)
+        gets none: such a server accepts only its local rank index."""
+        h = self._headers(rec)
+        if len(kv.p.engine_ids) > 1:
+            h["X-data-parallel-rank"] = str(kv.rank)
+        return h
+
     def _pair(self, rec: Record, p: PrefillBackend, d: Backend) -> tuple[PrefillKV, str]:
         """Picks P's dp rank and names the transfer: (the KV P will hold, P's engine id)."""
         rank, engine_id = p.next_rank()
@@ -228,6 +242,7 @@ class Proxy:
         kv, engine_id = self._pair(rec, p, d)
         transfer_id = kv.transfer_id
         headers = self._headers(rec)
+        p_headers = self._prefill_headers(rec, kv)
         p_data = _encode(prefill_body(body, rec.route, transfer_id))
         d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
         p_pool, d_pool = self.upstreams.pool(p.url), self.upstreams.pool(d.url)
@@ -243,13 +258,13 @@ class Proxy:
         started = time.monotonic()
         try:
             # Both at once: on pooled connections, two writes back to back.
-            p_resp = p_pool.send_nowait(rec.route, p_data, headers, read_timeout=p_timeout)
+            p_resp = p_pool.send_nowait(rec.route, p_data, p_headers, read_timeout=p_timeout)
             d_resp = d_pool.send_nowait(rec.route, d_data, headers, read_timeout=d_timeout)
             p_error: UpstreamError | None = None
             if p_resp is None or d_resp is None:
                 p_res, d_res = await self._send_both(
-                    (p_pool, p_resp, p_data, p_timeout), (d_pool, d_resp, d_data, d_timeout),
-                    rec.route, headers)
+                    (p_pool, p_resp, p_data, p_timeout, p_headers),
+                    (d_pool, d_resp, d_data, d_timeout, headers), rec.route)
                 if isinstance(p_res, Response):
                     p_resp = p_res
                 else:
@@ -335,7 +350,8 @@ class Proxy:
         p.in_flight += 1
         try:
             p_resp = await self.upstreams.pool(p.url).send(
-                rec.route, p_data, headers, read_timeout=self.settings.prefill_timeout_s)
+                rec.route, p_data, self._prefill_headers(rec, kv),
+                read_timeout=self.settings.prefill_timeout_s)
             p_raw = await p_resp.read()
         except UpstreamError as exc:
             p_error = exc
@@ -429,19 +445,19 @@ class Proxy:
             pass
         return out
 
-    async def _send_both(self, p_call: tuple[Pool, Response | None, bytes, float],
-                         d_call: tuple[Pool, Response | None, bytes, float], route: str,
-                         headers: dict[str, str]
+    async def _send_both(self, p_call: _Call, d_call: _Call, route: str
                          ) -> tuple[Response | UpstreamError, Response | UpstreamError]:
         """The cold path: one or both nodes need a new connection; connect concurrently."""
-        async def send(pool: Pool, data: bytes, timeout: float) -> Response | UpstreamError:
+        async def send(pool: Pool, data: bytes, timeout: float,
+                       headers: dict[str, str]) -> Response | UpstreamError:
             try:
                 return await pool.send(route, data, headers, read_timeout=timeout)
             except UpstreamError as exc:
                 return exc
 
-        tasks = [None if sent is not None else asyncio.create_task(send(pool, data, timeout))
-                 for pool, sent, data, timeout in (p_call, d_call)]
+        tasks = [None if sent is not None
+                 else asyncio.create_task(send(pool, data, timeout, headers))
+                 for pool, sent, data, timeout, headers in (p_call, d_call)]
         try:
             await asyncio.wait([t for t in tasks if t is not None])
         except BaseException:

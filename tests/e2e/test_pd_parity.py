@@ -28,6 +28,29 @@ def tokens_of(result: dict) -> list[int]:
     return result["choices"][0]["token_ids"]
 
 
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return "amx_tile" in fh.read().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="needs a CPU with AMX (amx_tile in /proc/cpuinfo)")
+async def test_amx_host_decode_survives_prompts_it_never_computed(pd_node, plain_server):
+    """On AMX CPUs vLLM's CPU attention runs its AMX kernel for bf16, and a process must
+    ask Linux for AMX first. D's first forward is one token over P's KV, so nothing had
+    asked before it: without the worker's request D dies with SIGILL right here."""
+    for length in (5, 40, 64):
+        body = completion(token_prompt(length, seed=900 + length), max_tokens=4)
+        expected = await plain_request(plain_server, "/v1/completions", body)
+        got, _ = await pd_request(pd_node, "/v1/completions", body)
+        assert tokens_of(got) == tokens_of(expected)
+    for service in (pd_node.prefill, pd_node.decode):
+        assert "AMX in use" in log_text(service.log_path)
+    assert "died unexpectedly" not in log_text(pd_node.decode.log_path)
+
+
 @pytest.mark.parametrize("length", LENGTHS)
 async def test_completions_equal_plain_server(pd_node, plain_server, length):
     body = completion(token_prompt(length, seed=length))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tests.proxy.conftest import Cluster, MakeCluster
 
 
@@ -68,6 +70,31 @@ async def test_dp_ranks_of_one_p_are_used_in_turn(make_cluster: MakeCluster) -> 
         assert (await c.post())[0] == 200
     engines = [r.kv["remote_engine_id"] for r in c.decode[0].received]
     assert engines == ["engine-p0-dp0", "engine-p0-dp1"] * 2
+
+
+@pytest.mark.parametrize("first_token", [False, True])
+async def test_each_prefill_runs_in_the_dp_rank_d_pulls_from(make_cluster: MakeCluster,
+                                                              first_token: bool) -> None:
+    """P's API server fronts two dp ranks: P's request names the rank whose engine id D is
+    given (X-data-parallel-rank, as vLLM's example proxy sends it), else P's server picks a
+    rank by itself and D waits on the other engine for KV that never comes."""
+    c = await make_cluster(dp_ranks=2, first_token_from_prefill=first_token)
+    for _ in range(4):
+        assert (await c.post(body={"prompt": "hi", "max_tokens": 5, "stream": True}))[0] == 200
+    rank_of = {r.kv["transfer_id"]: r.headers.get("X-data-parallel-rank")
+               for r in c.prefill[0].received}
+    pulled = {r.kv["transfer_id"]: r.kv["remote_engine_id"] for r in c.decode[0].received}
+    assert len(pulled) == 4 and set(rank_of.values()) == {"0", "1"}
+    for transfer_id, engine in pulled.items():
+        assert engine == f"engine-p0-dp{rank_of[transfer_id]}"
+
+
+async def test_a_single_rank_gets_no_rank_header(make_cluster: MakeCluster) -> None:
+    """No DP, or one rank per API server behind an external balancer: such a server takes
+    only its local rank index, so the header is left out."""
+    c = await make_cluster(dp_ranks=1)
+    assert (await c.post())[0] == 200
+    assert "X-data-parallel-rank" not in c.prefill[0].received[0].headers
 
 
 async def test_least_outstanding_across_2p_2d(make_cluster: MakeCluster) -> None:
