@@ -189,6 +189,11 @@ def parse_prefill_answer(raw: bytes, route: str) -> PrefillAnswer | None:
         return None
     if text.endswith("\ufffd"):
         return None  # part of a multi-byte character: only D's detokenizer can finish it
+    if not text and answer.finish_reason == "length":
+        # A token that reads as nothing may be the first bytes of a character (P's answer
+        # holds them back). Put at the end of D's prompt, they make D's detokenizer start
+        # its output from an earlier offset: D's first chunk repeats the prompt's text.
+        return None
     return answer
 
 

@@ -109,6 +109,20 @@ async def test_first_token_from_prefill_equals_plain(pd_node, plain_server, leng
     assert sent_blocks(pd_node, f"xfer-{rid}") == -(-length // BLOCK)
 
 
+async def test_first_token_that_is_the_first_bytes_of_a_character(pd_node, plain_server):
+    """This prompt's first output token is the start of a multi-byte character, which P's
+    answer reads as "". Continued by D after it, D's first chunk repeated the whole prompt's
+    text; such a token goes the classic way (D gives every token, still from P's KV)."""
+    body = {"model": "tiny", "prompt": token_prompt(130, seed=503), "max_tokens": 8,
+            "temperature": 0}
+    expected = await plain_request(plain_server, "/v1/completions", body)
+    assert text_of(expected).startswith("\ufffd")  # the case this test is about
+    rid, _, text = await stream_through_proxy(pd_node, "/v1/completions",
+                                              {**body, "stream": True})
+    assert text == text_of(expected)
+    assert sent_blocks(pd_node, f"xfer-{rid}") == -(-130 // BLOCK)
+
+
 async def test_first_token_chat_and_concurrency_equal_plain(pd_node, plain_server):
     bodies = [{"model": "tiny", "max_tokens": 12, "temperature": 0, "stream": True,
                "messages": [{"role": "user", "content": f"Tell me about river {i} and "

@@ -144,6 +144,7 @@ def test_parse_prefill_answers():
 
 @pytest.mark.parametrize("change", [
     {"text": "\u00e9\ufffd"},  # half of a multi-byte character
+    {"text": ""},  # the first bytes of a character, held back: D would repeat its prompt
     {"token_ids": []},
     {"token_ids": None},
     {"prompt_token_ids": None},
