@@ -151,11 +151,14 @@ class PSide:
 
     def ours(self, src: list[int], dst: list[int]) -> None:
         from appliance.connector.plan import build_descriptors
+        from appliance.connector.sender import Outgoing
 
         t = time.perf_counter()
         descs = build_descriptors(self.p_regions, self.d_regions, src, dst)
         self.plan_s.append(time.perf_counter() - t)
-        self.transport.write(self.d_session, descs)
+        # As the sender writes: asked before every batch whether to stop.
+        stop = Outgoing(transfer_id="bench", write_by=time.monotonic() + 3600).stop_reason
+        self.transport.write(self.d_session, descs, stop=stop)
 
     def rawwrite(self, batches: list[tuple[list[int], list[int], list[int]]]) -> None:
         for srcs, dsts, lens in batches:
