@@ -32,6 +32,7 @@ class ServiceProcess:
     env: Mapping[str, str] = field(default_factory=dict)
     health_url: str | None = None
     cpus: Sequence[int] | None = None
+    cwd: Path | None = None
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -46,6 +47,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **self.env}, start_new_session=True, preexec_fn=_pin,
+            cwd=self.cwd,
         )
         log.close()
 

@@ -150,8 +150,8 @@ class PSide:
         ]
 
     def ours(self, src: list[int], dst: list[int]) -> None:
+        from appliance.connector.outgoing import Outgoing
         from appliance.connector.plan import build_descriptors
-        from appliance.connector.sender import Outgoing
 
         t = time.perf_counter()
         descs = build_descriptors(self.p_regions, self.d_regions, src, dst)

@@ -94,7 +94,11 @@ def plain_setup(model: Path, log_dir: Path) -> Setup:
 
 
 def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
-               cpu_push_delay_ms: float | None = None, name: str | None = None) -> Setup:
+               cpu_push_delay_ms: float | None = None, name: str | None = None,
+               code: Path | None = None) -> Setup:
+    """`code`: a checkout whose appliance package the setup's processes import instead
+    (ours at another commit, for a before/after in one run)."""
+    env = {"PYTHONPATH": str(code)} if code is not None else None
     bport, pport, dport = free_port(), free_port(), free_port()
     if name is None:
         name = "ours" if early_push else "ours-late"
@@ -102,7 +106,7 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
         name = f"ours-delay{cpu_push_delay_ms:g}"
     boot = ServiceProcess("bootstrap", [sys.executable, "-m", "appliance.bootstrap", "--host",
                                         "127.0.0.1", "--port", str(bport)],
-                          log_dir / f"{name}-bootstrap.log",
+                          log_dir / f"{name}-bootstrap.log", env=env or {},
                           health_url=f"http://127.0.0.1:{bport}/health")
 
     def cfg(role: str, engine: str) -> dict:
@@ -113,10 +117,13 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                                               "early_push": early_push,
                                               **({"cpu_push_delay_ms": cpu_push_delay_ms}
                                                  if cpu_push_delay_ms is not None else {})}}
-    return Setup(name, [boot,
-                        serve(f"{name}-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0")),
-                        serve(f"{name}-d", model, dport, (1,), log_dir,
-                              cfg("kv_consumer", "d0"))],
+    services = [boot, serve(f"{name}-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0"),
+                            env),
+                serve(f"{name}-d", model, dport, (1,), log_dir, cfg("kv_consumer", "d0"), env)]
+    if code is not None:
+        for svc in services:  # the working directory comes first on sys.path
+            svc.cwd = code
+    return Setup(name, services,
                  prefill_url=f"http://127.0.0.1:{pport}", decode_url=f"http://127.0.0.1:{dport}",
                  bootstrap_url=f"http://127.0.0.1:{bport}", engine_id="p0")
 
@@ -256,6 +263,18 @@ def _median(times: list[Times]) -> Times:
     return (statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
 
 
+def checkout(ref: str, log_dir: Path) -> Path:
+    """A detached worktree of `ref` (made anew each run) whose package the setup imports."""
+    import subprocess
+
+    where = log_dir / "ref-checkout"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)],
+                   capture_output=True)
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), ref],
+                   check=True, capture_output=True)
+    return where
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -270,6 +289,9 @@ def main() -> None:
     parser.add_argument("--compare-immediate", action="store_true",
                         help="also run ours with cpu_push_delay_ms=0 (push right after the "
                         "forward even on CPU)")
+    parser.add_argument("--compare-ref", metavar="GIT_REF",
+                        help="also run ours as of this commit (a worktree of it, in the same "
+                        "run): the before/after of a change")
     parser.add_argument("--request-timeout", type=float, default=60.0,
                         help="seconds after which a request without a first token is stuck")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-ttft"))
@@ -287,6 +309,10 @@ def main() -> None:
         makers.append(lambda model, log_dir: ours_setup(model, log_dir, early_push=False))
     if args.compare_immediate:
         makers.append(lambda model, log_dir: ours_setup(model, log_dir, cpu_push_delay_ms=0))
+    if args.compare_ref:
+        code = checkout(args.compare_ref, args.log_dir)
+        makers.append(lambda model, log_dir: ours_setup(
+            model, log_dir, name=f"ours@{args.compare_ref[:10]}", code=code))
     if not args.skip_builtin:
         makers.append(builtin_setup)
     if not args.skip_appliance:

@@ -18,7 +18,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -26,9 +25,10 @@ import zmq.asyncio
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
 from appliance.connector import messages as m
+from appliance.connector.outgoing import Outgoing, write
 from appliance.connector.plan import PlanError, Region, build_descriptors, pair_blocks
 from appliance.connector.settings import ConnectorSettings
-from appliance.connector.state import Transfer, TransferState
+from appliance.connector.state import TransferState
 from appliance.connector.stats import TransferStats
 from appliance.connector.transfer import MooncakeTransport, TransferError
 
@@ -36,32 +36,6 @@ log = logging.getLogger("vllm.appliance.connector.sender")
 
 # How many finished transfer ids are remembered to reject a transfer_id seen twice.
 _SEEN_IDS = 65536
-
-
-@dataclass
-class Outgoing(Transfer):
-    side: str = "send"
-    p_req_id: str | None = None
-    block_ids: list[int] | None = None
-    fence: Callable[[], None] | None = None  # waits until the KV is really computed (GPU)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    d_req_id: str | None = None  # set once a decode node asked for this transfer
-    deadline: float = 0.0
-    scheduler_finished: bool = False
-    preempted: bool = False  # its source blocks were freed while being written
-    cancelled: bool = False  # the decode node gave up while it was being written
-    write_by: float = float("inf")  # no batch starts later (the decode node's deadline)
-
-    def stop_reason(self) -> str | None:
-        """Why a write under way must stop before its next batch; asked from a push thread,
-        so only flags the loop sets and the clock are read."""
-        if self.preempted:
-            return "the prefill was preempted while its KV was being written"
-        if time.monotonic() > self.write_by:
-            return "the decode node's deadline passed"
-        if self.cancelled:
-            return "cancelled by the decode node"
-        return None
 
 
 class Sender:
@@ -344,7 +318,7 @@ class Sender:
             descs = build_descriptors(self.regions, dst_regions, src, dst)
             fence = t.fence
             result = await asyncio.get_running_loop().run_in_executor(
-                self._pool, _write, self.transport, fence, session, descs,
+                self._pool, write, self.transport, fence, session, descs,
                 self.settings.max_batch_descs, t.stop_reason)
         except (PlanError, TransferError) as exc:
             self.stats.record_failure()
@@ -450,13 +424,6 @@ class Sender:
                 if t.d_req_id is None:
                     self._settle(t)
 
-
-
-def _write(transport: MooncakeTransport, fence: Callable[[], None] | None, session: str,
-           descs, max_batch: int, stop: Callable[[], str | None]):
-    if fence is not None:
-        fence()
-    return transport.write(session, descs, max_batch, stop)
 
 
 def _zmq_host(host: str) -> str:

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from appliance.connector.outgoing import write as _write
 from appliance.connector.plan import build_descriptors, registration_spans
-from appliance.connector.sender import _write
 from appliance.connector.transfer import MooncakeTransport
 from appliance.connector.worker import compute_fence, kv_regions
 from tests.connector.test_side_channel import BLOCKS, Pair, bootstrap_url  # noqa: F401
