@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from appliance.pdctl import config as cfgmod
@@ -470,8 +471,9 @@ def doctor(ctx: click.Context, config_path: Path | None, as_json: bool,
             table.add_column(col, overflow="fold")
         colors = {"pass": "green", "fail": "red", "skip": "yellow"}
         for c in checks:
-            detail = c.detail + (f"\n[bold]fix:[/] {c.fix}" if c.fix else "")
-            table.add_row(c.name, f"[{colors[c.status]}]{c.status}[/]", detail)
+            # Details and fixes are plain text: "[ports]" is a config section, not markup.
+            detail = escape(c.detail) + (f"\n[bold]fix:[/] {escape(c.fix)}" if c.fix else "")
+            table.add_row(escape(c.name), f"[{colors[c.status]}]{c.status}[/]", detail)
         out.print(table)
         out.print(f"{len(failed)} failed, {sum(c.status == 'pass' for c in checks)} passed, "
                   f"{sum(c.status == 'skip' for c in checks)} skipped")

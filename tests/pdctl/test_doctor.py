@@ -100,6 +100,14 @@ def test_port_in_use(doctor, host):
     assert checks["ports"]["detail"] == "in use: 8020 (decode)"
 
 
+def test_fix_texts_print_as_written(pdctl, write_config, host):
+    """rich reads "[ports]" as markup and drops it unless it is escaped."""
+    host.listening(8020)
+    res = pdctl("doctor", "--config", str(write_config(GOOD_TOML)), env={"COLUMNS": "300"})
+    assert res.exit_code == 1
+    assert "change [ports] in the host config" in " ".join(res.output.split())
+
+
 def test_port_in_use_ipv6(doctor, host):
     from tests.pdctl.fakes import TCP_HEADER, tcp_listen_line
 

@@ -65,6 +65,44 @@ def test_every_image_takes_base_image_and_there_are_three():
         assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M), p
 
 
+def test_dockerfiles_build_with_the_legacy_builder_too():
+    """No `# syntax=` line (BuildKit would pull a frontend image from a registry) and no
+    `COPY --chmod` (the legacy builder rejects it)."""
+    for p in dockerfiles():
+        text = p.read_text()
+        assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I), p
+        assert not re.search(r"^\s*(COPY|ADD)\b.*--chmod", text, re.M | re.I), p
+
+
+def test_one_root_dockerignore_sends_only_what_the_images_copy():
+    """The legacy builder reads only the context root's .dockerignore; per-Dockerfile ones
+    (BuildKit's) would let the two builders send different contexts."""
+    rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert rules[0] == "*"  # everything out (.venv, .git, caches), then only these back
+    assert set(rules[1:]) == {"!pyproject.toml", "!README.md", "!appliance/", "!images/",
+                              "**/__pycache__"}
+    assert not [p for p in repo_files() if p.name.endswith(".dockerignore")
+                and p != ROOT / ".dockerignore"]
+
+
+def test_build_script_passes_build_flags_to_every_build(tmp_path):
+    calls = tmp_path / "calls"
+    fake = tmp_path / "docker"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    res = subprocess.run(["bash", str(ROOT / "images/build.sh"), "9.9"], capture_output=True,
+                         text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+                              "DOCKER_BUILD_FLAGS": "--network host --pull=false"})
+    assert res.returncode == 0, res.stderr
+    builds = calls.read_text().splitlines()
+    assert len(builds) == 3
+    for line, image in zip(builds, ("base", "vllm", "slim"), strict=True):
+        assert line.startswith("build --network host --pull=false -f "), line
+        assert f"images/{image}/Dockerfile" in line and f"pd-appliance/{image}:9.9" in line
+
+
 def test_images_install_what_the_spec_lists():
     base = (ROOT / "images/base/Dockerfile").read_text()
     for pkg in ("rdma-core", "ibverbs-providers", "libibverbs1", "librdmacm1", "ibverbs-utils",
