@@ -425,6 +425,5 @@ class Sender:
                     self._settle(t)
 
 
-
 def _zmq_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
