@@ -95,7 +95,7 @@ class PDScheduler:
             log.warning("req %s: refused its kv_transfer_params: %s; nothing pulled, the "
                         "prompt is computed locally", request.request_id, problem)
             params["do_remote_prefill"] = False
-            if self._names_a_transfer(params):
+            if self._transfer_problem(params) is None:
                 self._release(params)  # P holds KV for it that nobody will pull
             return 0, False
         transfer_id = params["transfer_id"]
@@ -231,13 +231,21 @@ class PDScheduler:
             self._meta.ready_sends[req_id] = (send.transfer_id, blocks)
             send.ready = True
 
-    def _pull_params_problem(self, params: dict[str, Any], prompt_len: int) -> str | None:
+    def _transfer_problem(self, params: dict[str, Any]) -> str | None:
+        """Why these params name no transfer this node may contact P about (None: they do,
+        so P may hold KV for it)."""
         missing = [p for p in REQUIRED_PULL_PARAMS if not params.get(p)]
         if missing:
             return f"kv_transfer_params lacks {', '.join(missing)}"
         allowed = self.settings.allowed_bootstrap_addrs
         if allowed is not None and params["remote_bootstrap_addr"] not in allowed:
             return f"bootstrap address {params['remote_bootstrap_addr']!r} is not allowed"
+        return None
+
+    def _pull_params_problem(self, params: dict[str, Any], prompt_len: int) -> str | None:
+        problem = self._transfer_problem(params)
+        if problem:
+            return problem
         covered = params.get("remote_num_tokens")
         if covered is not None and (type(covered) is not int or covered != prompt_len - 1):
             # The only prefix this protocol continues from: P's prompt, when D's prompt is
@@ -246,14 +254,6 @@ class PDScheduler:
             return (f"remote_num_tokens={covered!r}: it must be the prompt's length less one "
                     f"({prompt_len - 1}, P's prompt before its first token)")
         return None
-
-    def _names_a_transfer(self, params: dict[str, Any]) -> bool:
-        """Whether a refused request names a transfer P may hold KV for, at a bootstrap
-        this node may contact."""
-        if any(not params.get(p) for p in REQUIRED_PULL_PARAMS):
-            return False
-        allowed = self.settings.allowed_bootstrap_addrs
-        return allowed is None or params["remote_bootstrap_addr"] in allowed
 
     def _release(self, params: dict[str, Any]) -> None:
         self._meta.releases.append(ReleaseSpec(

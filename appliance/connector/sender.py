@@ -294,6 +294,7 @@ class Sender:
         if t.d_req_id is not None:
             return False, f"transfer_id {tid} already requested by {t.d_req_id}"
         t.d_req_id = d_req
+        t.write_by = write_by  # no batch of its write starts later
         if not entry.block_ids:  # D does not need the KV (aborted, or a local cache hit)
             if t.state is TransferState.WAITING_FOR_INPUT:
                 t.advance(TransferState.SUCCESS, p_req=t.p_req_id, d_req=d_req, released=True)
@@ -306,13 +307,12 @@ class Sender:
             self._settle(t)
             return False, t.error or "failed"
         assert t.block_ids is not None
-        if time.monotonic() > write_by:
+        if time.monotonic() > t.write_by:
             t.fail("the decode node's deadline passed before the KV was ready",
                    p_req=t.p_req_id, d_req=d_req)
             self._settle(t)
             return False, t.error or "deadline"
         t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
-        t.write_by = write_by
         try:
             src, dst = pair_blocks(t.block_ids, list(entry.block_ids))
             descs = build_descriptors(self.regions, dst_regions, src, dst)
