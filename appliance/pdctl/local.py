@@ -22,7 +22,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from appliance import kvbudget
 from appliance.pdctl.errors import USAGE, PdctlError
+from appliance.pdctl.host import split_cpus
 from appliance.pdctl.status import Endpoints, ProcessState
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
@@ -52,6 +54,7 @@ class LocalOptions:
     model: Path | None = None  # None: the tiny model, built on first use
     served_model_name: str | None = None
     max_model_len: int = 2048
+    kv_cache_bytes: int | None = None  # None: sized from the model and max_model_len
     run_dir: Path = Path(".")
     cache_dir: Path = Path(".")
     timeout: float = 600.0
@@ -209,15 +212,6 @@ def resolve_model(opts: LocalOptions, say: Callable[[str], None]) -> tuple[Path,
         (time.monotonic() - begin) if fresh else None
 
 
-def _cpu_split() -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
-    """P and D each on CPUs of their own (D busy-waits while it waits for KV)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None, None
-    k = min(len(cpus) // 2, 4)
-    return tuple(cpus[:k]), tuple(cpus[k:2 * k])
-
-
 def up_local(opts: LocalOptions, console: Console, detach: bool = False) -> int:
     from appliance.launcher import installed_vllm
     from appliance.localnode import LocalNode, NodeSpec
@@ -247,7 +241,7 @@ def up_local(opts: LocalOptions, console: Console, detach: bool = False) -> int:
 
     say = lambda text: console.print(f"pdctl: {text}")  # noqa: E731
     model, served, built = resolve_model(opts, say)
-    p_cpus, d_cpus = _cpu_split()
+    p_cpus, d_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
     log_dir = run_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     for old in log_dir.glob("*.log"):
@@ -256,8 +250,15 @@ def up_local(opts: LocalOptions, console: Console, detach: bool = False) -> int:
                     prefill_port=opts.prefill_port, decode_port=opts.decode_port,
                     bootstrap_port=opts.bootstrap_port, proxy_port=opts.proxy_port,
                     prefill_cpus=p_cpus, decode_cpus=d_cpus, max_model_len=opts.max_model_len,
-                    log_dir=log_dir)
-    node = LocalNode(spec)
+                    kv_cache_bytes=opts.kv_cache_bytes, log_dir=log_dir)
+    try:
+        node = LocalNode(spec)
+    except kvbudget.ModelShapeError as exc:
+        raise PdctlError(f"cannot size the KV cache: {exc} (pass --kv-cache-bytes)",
+                         USAGE) from None
+    how = "--kv-cache-bytes" if opts.kv_cache_bytes else \
+        f"{kvbudget.SEQUENCES} requests of {opts.max_model_len} tokens"
+    say(f"KV cache {node.kv_bytes >> 20} MiB per server ({how})")
     run_id = uuid.uuid4().hex
     for svc in node.services:
         svc.env = {**svc.env, RUN_ID_ENV: run_id}

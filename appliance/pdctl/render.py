@@ -1,5 +1,9 @@
-"""What compose and systemd read: the env file, a copy of compose.yaml, the unit, and the
-proxy's key file when API keys are configured."""
+"""What compose and systemd read: the `.env` file and compose.yaml (plus, for the CPU stack,
+compose.override.yaml) in one directory, the unit, and the proxy's key file when API keys
+are configured.
+
+docker compose reads `.env` and compose.override.yaml beside compose.yaml by itself, so in
+that directory a plain `docker compose up -d` starts the node as `pdctl up` does."""
 
 from __future__ import annotations
 
@@ -9,12 +13,15 @@ import shlex
 from pathlib import Path
 
 import appliance
+from appliance import kvbudget
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.errors import ConfigError, PdctlError
 
 DEFAULT_DIR = Path("/etc/pd-appliance")
-ENV_FILE = "pd-appliance.env"
+ENV_FILE = ".env"
 COMPOSE_FILE = "compose.yaml"
+OVERRIDE_FILE = "compose.override.yaml"
+CPU_COMPOSE_FILE = "compose.cpu.yaml"  # in the source tree; rendered as OVERRIDE_FILE
 UNIT_FILE = "pd-appliance.service"
 PROXY_FILE = "proxy.toml"
 PDCTL_BIN = "/usr/local/bin/pdctl"  # install.sh --systemd links the venv's pdctl here
@@ -35,16 +42,30 @@ def local_addr(cfg: HostConfig) -> str:
     return "127.0.0.1" if cfg.compose.bind == "0.0.0.0" else cfg.compose.bind
 
 
+def kv_cache_bytes(cfg: HostConfig) -> int:
+    """CPU stack: the KV budget per server, from the config or sized from the model."""
+    if cfg.model.kv_cache_bytes is not None:
+        return cfg.model.kv_cache_bytes
+    try:
+        return kvbudget.for_model_dir(cfg.model.path, cfg.model.max_model_len, cfg.block_size)
+    except kvbudget.ModelShapeError as exc:
+        raise ConfigError(f"model.kv_cache_bytes: cannot size the KV cache from the model "
+                          f"({exc}); set it in the host config") from None
+
+
 def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
     m, p, t = cfg.model, cfg.ports, cfg.timeouts
     common = list(m.extra_args)
+    if cfg.stack == "cpu":
+        common = ["--kv-cache-memory-bytes", str(kv_cache_bytes(cfg)), *common]
     if m.max_model_len:
         common = ["--max-model-len", str(m.max_model_len), *common]
     token = cfg.auth.bootstrap_token_file or ""
     proxy_args = ["--config", str(out_dir / PROXY_FILE)] if cfg.auth.api_keys_file else []
     return {
         "PD_PROJECT": cfg.compose.project,
-        "PD_VLLM_IMAGE": cfg.images.vllm,
+        "PD_STACK": cfg.stack,
+        "PD_VLLM_IMAGE": cfg.vllm_image,
         "PD_SLIM_IMAGE": cfg.images.slim,
         "PD_RESTART": cfg.compose.restart,
         "PD_SHM_SIZE": cfg.compose.shm_size,
@@ -55,10 +76,12 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_MODEL": m.path,
         "PD_SERVED_MODEL_NAME": m.name,
         "PD_TP_SIZE": str(m.tp_size),
-        "PD_BLOCK_SIZE": str(m.block_size),
+        "PD_BLOCK_SIZE": str(cfg.block_size),
         "PD_GPU_MEMORY_UTILIZATION": str(m.gpu_memory_utilization),
         "PD_PREFILL_GPUS": ",".join(map(str, cfg.gpus.prefill)),
         "PD_DECODE_GPUS": ",".join(map(str, cfg.gpus.decode)),
+        "PD_PREFILL_CPUS": ",".join(map(str, cfg.cpus.prefill)),
+        "PD_DECODE_CPUS": ",".join(map(str, cfg.cpus.decode)),
         "PD_PROXY_PORT": str(p.proxy),
         "PD_PREFILL_PORT": str(p.prefill),
         "PD_DECODE_PORT": str(p.decode),
@@ -98,14 +121,16 @@ def _env_quote(value: str) -> str:
 def env_file_text(cfg: HostConfig, out_dir: Path, source: Path | None = None) -> str:
     head = [f"# Written by `pdctl render`{f' from {source}' if source else ''}: edit the host "
             f"config, not this file.",
-            f"# docker compose --env-file {out_dir / ENV_FILE} -f {out_dir / COMPOSE_FILE} up -d"]
+            f"# docker compose reads it by itself: cd {out_dir} && docker compose up -d"]
     body = [f"{k}={_env_quote(v)}" for k, v in env_values(cfg, out_dir).items()]
     return "\n".join(head + body) + "\n"
 
 
 def compose_argv(cfg: HostConfig, out_dir: Path, docker: str = "docker") -> list[str]:
-    return [docker, "compose", "--project-name", cfg.compose.project,
-            "--env-file", str(out_dir / ENV_FILE), "--file", str(out_dir / COMPOSE_FILE)]
+    """docker compose on the rendered directory: it finds compose.yaml, the override and .env
+    there, as a plain `docker compose` run in that directory does."""
+    return [docker, "compose", "--project-directory", str(out_dir),
+            "--project-name", cfg.compose.project]
 
 
 def unit_text(cfg: HostConfig, out_dir: Path, config_path: Path) -> str:
@@ -189,8 +214,14 @@ def render(cfg: HostConfig, config_path: Path, out_dir: Path) -> list[Path]:
             written.append(out_dir / PROXY_FILE)
         _write(out_dir / ENV_FILE, env_file_text(cfg, out_dir, config_path))
         _write(out_dir / COMPOSE_FILE, repo_file(COMPOSE_FILE).read_text())
+        written += [out_dir / ENV_FILE, out_dir / COMPOSE_FILE]
+        if cfg.stack == "cpu":
+            _write(out_dir / OVERRIDE_FILE, repo_file(CPU_COMPOSE_FILE).read_text())
+            written.append(out_dir / OVERRIDE_FILE)
+        else:  # compose would read one left from a CPU-stack render
+            (out_dir / OVERRIDE_FILE).unlink(missing_ok=True)
         _write(out_dir / UNIT_FILE, unit_text(cfg, out_dir, config_path.resolve()))
-        written += [out_dir / ENV_FILE, out_dir / COMPOSE_FILE, out_dir / UNIT_FILE]
+        written.append(out_dir / UNIT_FILE)
     except OSError as exc:
         raise PdctlError(f"cannot write to {out_dir}: {exc.strerror or exc}") from None
     return written

@@ -129,7 +129,7 @@ def healthy_runner() -> FakeRunner:
             .answer(["docker", "version"], "28.2.2\n")
             .answer(["docker", "compose", "version"], "2.40.3\n")
             .answer(["docker", "info"], '{"io.containerd.runc.v2":{},"nvidia":{},"runc":{}}\n')
-            .answer(["docker", "compose", "--project-name"], ""))
+            .answer(["docker", "compose", "--project-directory"], ""))
 
 
 def env_for(root: Path, runner: FakeRunner) -> Env:

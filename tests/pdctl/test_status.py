@@ -138,12 +138,11 @@ def test_up_runs_compose_and_waits_for_health(pdctl, write_config, node, docker,
     path = write_config(node.config_toml())
     res = pdctl("up", "--config", str(path), env={"DOCKER_HOST": docker[1]})
     assert res.exit_code == 0, res.output
-    compose = [c for c in runner.calls if c[:3] == ["docker", "compose", "--project-name"]]
-    assert compose == [["docker", "compose", "--project-name", "pd-appliance", "--env-file",
-                        str(path.parent / "pd-appliance.env"), "--file",
-                        str(path.parent / "compose.yaml"), "up", "--detach",
+    compose = [c for c in runner.calls if c[:3] == ["docker", "compose", "--project-directory"]]
+    assert compose == [["docker", "compose", "--project-directory", str(path.parent),
+                        "--project-name", "pd-appliance", "up", "--detach",
                         "--remove-orphans"]]
-    assert (path.parent / "pd-appliance.env").exists()
+    assert (path.parent / ".env").exists()
     assert "node healthy" in res.stdout
     res = pdctl("down", "--config", str(path))
     assert res.exit_code == 0
@@ -163,11 +162,11 @@ def test_up_refuses_when_doctor_fails(pdctl, write_config, node, host, runner):
     res = pdctl("up", "--config", str(write_config(node.config_toml())))
     assert res.exit_code == 1
     assert "pdctl: error: doctor: GPUDirect RDMA: nvidia_peermem is not loaded" in res.stderr
-    assert not [c for c in runner.calls if c[:3] == ["docker", "compose", "--project-name"]]
+    assert not [c for c in runner.calls if c[:3] == ["docker", "compose", "--project-directory"]]
 
 
 def test_up_reports_a_compose_failure(pdctl, write_config, node, runner):
-    runner.answer(["docker", "compose", "--project-name"], "", 1,
+    runner.answer(["docker", "compose", "--project-directory"], "", 1,
                   "Error response from daemon: could not select device driver \"nvidia\"\n")
     res = pdctl("up", "--config", str(write_config(node.config_toml())))
     assert res.exit_code == 1

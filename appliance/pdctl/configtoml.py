@@ -1,0 +1,48 @@
+"""The host config written back as TOML (`pdctl init`): the main keys always, every other
+key only where it differs from its default."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from appliance.pdctl.config import HostConfig
+
+_HEADER = """\
+# pd-appliance host config: one file per host (written by `pdctl init`).
+# Check it with `pdctl doctor`; `pdctl render` turns it into what compose and systemd read.
+"""
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # strings and lists of strings/ints: JSON's syntax is TOML's
+
+
+# Written even when they equal the default: the keys an operator looks for first.
+_ALWAYS = {"host": ("name", "ip"), "model": ("path",), "gpus": ("prefill", "decode"),
+           "transfer": ("protocol", "device", "gpudirect"),
+           "ports": ("proxy", "prefill", "decode", "bootstrap")}
+_ALWAYS_CPU = {**_ALWAYS, "gpus": (), "cpus": ("prefill", "decode"), "transfer": ("protocol",)}
+
+
+def to_toml(cfg: HostConfig) -> str:
+    """The config as TOML: the main keys, plus every other key that differs from its default."""
+    full = cfg.model_dump(exclude_none=True)
+    changed = cfg.model_dump(exclude_defaults=True, exclude_none=True)
+    always = _ALWAYS_CPU if cfg.stack == "cpu" else _ALWAYS
+    lines = [_HEADER, f"stack = {_toml_value(cfg.stack)}", ""]
+    for section in HostConfig.model_fields:
+        if section == "stack":
+            continue
+        keys = [k for k in full[section]
+                if k in always.get(section, ()) or k in changed.get(section, {})]
+        if not keys:
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(full[section][key])}" for key in keys]
+        lines.append("")
+    return "\n".join(lines)

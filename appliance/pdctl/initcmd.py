@@ -1,0 +1,145 @@
+"""`pdctl init`: detect this host's GPUs (or CPUs), RDMA devices and address, and write its
+config."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from appliance.pdctl import config as cfgmod
+from appliance.pdctl.clibase import config_option, config_path_of, env_of
+from appliance.pdctl.config import parse_config
+from appliance.pdctl.configtoml import to_toml
+from appliance.pdctl.errors import USAGE, ConfigError, PdctlError
+from appliance.pdctl.host import split_cpus
+from appliance.pdctl.hostcheck import host_problems
+
+
+def _ints(value: str | None, what: str = "GPU") -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of {what} indices") \
+            from None
+
+
+@click.command()
+@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="where to write the config (default: --config, $PDCTL_CONFIG or "
+                   f"{cfgmod.DEFAULT_CONFIG})")
+@config_option
+@click.option("--model", "model_path", help="model directory on this host (absolute path)")
+@click.option("--served-name", help="model name clients use (default: the directory's name)")
+@click.option("--name", "host_name", help="host name (default: hostname)")
+@click.option("--host-ip", help="address peers reach this host at (default: detected)")
+@click.option("--stack", type=click.Choice(["gpu", "cpu"]),
+              help="the serving stack (default: gpu when this host has NVIDIA GPUs, else cpu)")
+@click.option("--prefill-gpus", help="GPU indices for P, e.g. 0 or 0,1 (default: first tp_size)")
+@click.option("--decode-gpus", help="GPU indices for D (default: the next tp_size)")
+@click.option("--prefill-cpus", help="stack cpu: CPUs for P, e.g. 0,1 (default: the first half)")
+@click.option("--decode-cpus", help="stack cpu: CPUs for D (default: the second half)")
+@click.option("--max-model-len", type=click.IntRange(16), help="longest request in tokens "
+              "(default: the model's own)")
+@click.option("--kv-cache-bytes", type=click.IntRange(1 << 20), help="stack cpu: KV cache "
+              "per server (default: sized from the model and max-model-len)")
+@click.option("--tp-size", type=click.IntRange(1, 16), default=1, show_default=True)
+@click.option("--protocol", type=click.Choice(["rdma", "tcp"]),
+              help="KV transport (default: rdma when an RDMA port is ACTIVE, else tcp)")
+@click.option("--rdma-device", help="RDMA device (default: the first with an ACTIVE port)")
+@click.option("--gpudirect", type=click.Choice(["peermem", "dmabuf"]),
+              help="GPUDirect path (default: peermem when loaded, else dmabuf when usable)")
+@click.option("--force", is_flag=True, help="overwrite an existing config")
+@click.option("--no-input", is_flag=True, help="never prompt (the default when flags are given)")
+@click.pass_context
+def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
+         model_path: str | None, served_name: str | None, host_name: str | None,
+         host_ip: str | None, stack: str | None, prefill_gpus: str | None,
+         decode_gpus: str | None, prefill_cpus: str | None, decode_cpus: str | None,
+         max_model_len: int | None, kv_cache_bytes: int | None, tp_size: int,
+         protocol: str | None, rdma_device: str | None, gpudirect: str | None, force: bool,
+         no_input: bool) -> None:
+    """Detect this host's GPUs (or CPUs), RDMA devices and address, and write its config."""
+    env = env_of(ctx)
+    probe = env.probe
+    out = env.out
+    target = out_path or config_path_of(config_path)
+    if target.exists() and not force:
+        raise PdctlError(f"{target} exists (use --force to overwrite it)", USAGE)
+
+    gpus, source = probe.gpus()
+    devices = probe.rdma_devices()
+    active = [d for d in devices if d.active_ports]
+    out.print(f"GPUs: {len(gpus)}" + (f" ({', '.join(f'{g.index}: {g.name}' for g in gpus)}; "
+                                      f"from {source})" if gpus else ""))
+    for d in devices:
+        ports = ", ".join(f"port {p.number} {p.state} {p.rate}".strip() for p in d.ports)
+        out.print(f"RDMA: {d.name} ({ports or 'no ports'})")
+    if not devices:
+        out.print("RDMA: no devices in /sys/class/infiniband")
+
+    interactive = not no_input and sys.stdin.isatty() and model_path is None
+    if model_path is None:
+        if not interactive:
+            raise PdctlError("--model is required (the model directory on this host)", USAGE)
+        model_path = click.prompt("model directory on this host")
+    stack = stack or ("gpu" if gpus else "cpu")
+    chosen = next((d for d in devices if d.name == rdma_device), None) if rdma_device else \
+        (active[0] if active else None)
+    if protocol is None:
+        protocol = "rdma" if stack == "gpu" and (rdma_device or active) else "tcp"
+    if gpudirect is None:
+        gpudirect = "dmabuf" if not probe.peermem_loaded() and probe.dmabuf_usable()[0] \
+            else "peermem"
+    if host_ip is None:
+        host_ip = probe.host_ip(chosen.netdevs if chosen else ())
+        if host_ip is None:
+            raise PdctlError("could not detect this host's address; pass --host-ip", USAGE)
+    model: dict[str, Any] = {"path": model_path, "tp_size": tp_size}
+    for key, value in (("served_name", served_name), ("max_model_len", max_model_len),
+                       ("kv_cache_bytes", kv_cache_bytes)):
+        if value is not None:
+            model[key] = value
+    data: dict[str, Any] = {
+        "stack": stack,
+        "host": {"ip": host_ip, **({"name": host_name} if host_name else {})},
+        "model": model,
+        "transfer": {"protocol": protocol, "gpudirect": gpudirect,
+                     "device": (rdma_device or (chosen.name if chosen else ""))
+                     if protocol == "rdma" else ""},
+    }
+    if stack == "gpu":
+        p = _ints(prefill_gpus) or list(range(tp_size))
+        d = _ints(decode_gpus) or list(range(len(p), len(p) + tp_size))
+        data["gpus"] = {"prefill": p, "decode": d}
+        placed = f"P GPUs {p}, D GPUs {d}"
+    else:
+        online = probe.cpus()
+        half_p, half_d = split_cpus(online, most=len(online))
+        p = _ints(prefill_cpus, "CPU") or list(half_p or ())
+        d = _ints(decode_cpus, "CPU") or list(half_d or ())
+        if not p or not d:
+            raise PdctlError(f"stack cpu needs two CPUs at least (this host has "
+                             f"{len(online)}), or --prefill-cpus and --decode-cpus", USAGE)
+        data["cpus"] = {"prefill": p, "decode": d}
+        placed = f"stack cpu, P CPUs {p}, D CPUs {d}"
+    cfg = parse_config(data)
+    problems = host_problems(cfg, probe)
+    fatal = [p for p in problems if not p.startswith(("model.path", "auth."))]
+    if fatal:
+        raise ConfigError(fatal)
+    for warning in problems:
+        if warning not in fatal:
+            out.print(f"pdctl: warning: {warning}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(to_toml(cfg))
+    except OSError as exc:
+        raise PdctlError(f"cannot write {target}: {exc.strerror or exc}") from None
+    out.print(f"pdctl: wrote {target} ({placed}, {protocol}"
+              f"{f' via {cfg.transfer.device}' if protocol == 'rdma' else ''}, host {host_ip})")
+    out.print("next: pdctl doctor, then pdctl up")
