@@ -129,7 +129,7 @@ def up(ctx: click.Context, config_path: Path | None, local: bool, no_wait: bool,
         ctx.exit(up_local(_local_options(**kw), env.out, detach=detach))
     if detach:
         raise click.UsageError("--detach only applies with --local (compose always detaches)")
-    from appliance.pdctl.compose import compose_up
+    from appliance.pdctl.compose import compose_up, timings_table
     from appliance.pdctl.doctor import run_checks
     from appliance.pdctl.render import render as do_render
 
@@ -141,10 +141,11 @@ def up(ctx: click.Context, config_path: Path | None, local: bool, no_wait: bool,
                              + ["not starting; fix the above or pass --skip-doctor"])
     out_dir = path.parent
     do_render(cfg, path, out_dir)
-    seconds = compose_up(cfg, out_dir, env.runner, env.out, wait=not no_wait,
+    timings = compose_up(cfg, out_dir, env.runner, env.out, wait=not no_wait,
                          timeout=kw["timeout"])
-    if not no_wait:
-        env.out.print(f"pdctl: node healthy after {seconds:.1f} s; proxy on "
+    if timings:
+        env.out.print(timings_table(timings))
+        env.out.print(f"pdctl: node healthy after {timings['total']:.1f} s; proxy on "
                       f"http://{cfg.host.ip}:{cfg.ports.proxy}")
 
 
@@ -253,7 +254,7 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
             for name in st.SERVICES:
                 c = containers.get(name)
                 processes[name] = st.ProcessState("missing", False) if c is None else \
-                    st.ProcessState(c.state, c.ok, c.health or "", c.restarts)
+                    st.ProcessState(c.state, c.ok, c.health or "", c.restarts, c.exit_code)
         except DockerUnavailable as exc:
             problems.append(f"docker: {exc.lines[0]}")
         node = st.gather(endpoints, processes, f"compose project {cfg.compose.project}",

@@ -3,7 +3,9 @@ through the Docker Engine API."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -46,23 +48,39 @@ def _table(states: dict[str, ContainerState], elapsed: float) -> Table:
 
 
 def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
-                 poll: float = 2.0) -> dict[str, ContainerState]:
-    begin = time.monotonic()
+                 poll: float = 2.0, begin: float | None = None,
+                 timings: dict[str, float] | None = None,
+                 failed: Callable[[], BaseException | None] = lambda: None,
+                 ) -> dict[str, ContainerState]:
+    """Poll until every service's container is healthy; `timings` gets each service's
+    seconds from `begin` to its first healthy poll. `failed()` names an error of the
+    `compose up` running meanwhile, which ends the wait."""
+    begin = time.monotonic() if begin is None else begin
+    timings = {} if timings is None else timings
     states: dict[str, ContainerState] = {}
     with Live(_table(states, 0), console=console, refresh_per_second=2,
-              transient=False) as live:
+              transient=True) as live:
         while True:
             states = api.project(project)
             elapsed = time.monotonic() - begin
+            for name in SERVICES:
+                if name not in timings and name in states and states[name].ok:
+                    timings[name] = elapsed
             live.update(_table(states, elapsed))
+            error = failed()
+            if error is not None:
+                raise error
             if all(name in states and states[name].ok for name in SERVICES):
+                console.print(_table(states, elapsed))
                 return states
             for name, c in states.items():
                 if c.state in ("exited", "dead") or c.health == "unhealthy":
+                    console.print(_table(states, elapsed))
                     raise PdctlError(f"{name} is {c.health or c.state}"
                                      f"{f' (exit code {c.exit_code})' if c.exit_code else ''}; "
                                      f"see `pdctl logs {name}`")
             if elapsed > timeout:
+                console.print(_table(states, elapsed))
                 late = [n for n in SERVICES if n not in states or not states[n].ok]
                 raise PdctlError(f"not healthy after {timeout:.0f} s: {', '.join(late)}; see "
                                  f"`pdctl logs {late[0]}`")
@@ -70,16 +88,61 @@ def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
 
 
 def compose_up(cfg: HostConfig, out_dir: Path, runner: Runner, console: Console,
-               wait: bool = True, timeout: float | None = None, poll: float = 2.0) -> float:
-    """Returns seconds until healthy (0 without waiting)."""
+               wait: bool = True, timeout: float | None = None,
+               poll: float = 2.0) -> dict[str, float]:
+    """Seconds from the start of `up` to "created" (compose returned) and to each service's
+    first healthy poll, and "total" ({} without waiting)."""
     begin = time.monotonic()
     console.print(f"pdctl: docker compose up ({out_dir})")
-    _run_compose(cfg, out_dir, runner, ["up", "--detach", "--remove-orphans"], "up")
+    argv = ["up", "--detach", "--remove-orphans"]
     if not wait:
-        return 0.0
-    api = DockerApi.connect()
-    wait_healthy(api, cfg.compose.project, timeout or cfg.timeouts.startup_s, console, poll)
-    return time.monotonic() - begin
+        _run_compose(cfg, out_dir, runner, argv, "up")
+        return {}
+    # compose up itself waits for each depends_on health condition before it creates the
+    # next service (the proxy last): run it beside the health poll, so each service's time
+    # is its own.
+    timings: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def up() -> None:
+        try:
+            _run_compose(cfg, out_dir, runner, argv, "up")
+            timings["created"] = time.monotonic() - begin
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=up, name="compose-up", daemon=True)
+    thread.start()
+    try:
+        api = DockerApi.connect()
+    except PdctlError:
+        thread.join(PULL_AND_CREATE_TIMEOUT)  # compose's own error says more, when it has one
+        if errors:
+            raise errors[0] from None
+        raise
+    wait_healthy(api, cfg.compose.project, timeout or cfg.timeouts.startup_s, console, poll,
+                 begin, timings, failed=lambda: errors[0] if errors else None)
+    thread.join(PULL_AND_CREATE_TIMEOUT)
+    if errors:
+        raise errors[0]
+    timings["total"] = time.monotonic() - begin
+    return timings
+
+
+_NOTES = {"created": "docker compose up returned (every container created)",
+          "bootstrap": "sidecar healthy", "prefill": "vLLM P healthy (weights loaded)",
+          "decode": "vLLM D healthy", "proxy": "proxy healthy (P registered, D up)"}
+
+
+def timings_table(timings: dict[str, float]) -> Table:
+    table = Table(title=f"node healthy in {timings['total']:.1f} s", title_justify="left")
+    table.add_column("step")
+    table.add_column("after (s)", justify="right")
+    table.add_column("what")
+    for name, seconds in sorted(timings.items(), key=lambda kv: kv[1]):
+        if name != "total":
+            table.add_row(name, f"{seconds:.1f}", _NOTES.get(name, ""))
+    return table
 
 
 def compose_down(cfg: HostConfig, out_dir: Path, runner: Runner, console: Console) -> None:

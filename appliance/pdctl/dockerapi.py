@@ -102,7 +102,7 @@ class DockerApi:
                     service=service, name=c.name, state=state.get("Status", "unknown"),
                     health=(state.get("Health") or {}).get("Status"),
                     restarts=int(attrs.get("RestartCount", 0)),
-                    exit_code=state.get("ExitCode") if state.get("Status") == "exited" else None,
+                    exit_code=state.get("ExitCode"),  # 0 while running (reset at each start)
                     image=attrs.get("Config", {}).get("Image", ""))
             return out
         except _sdk_errors() as exc:

@@ -1,4 +1,7 @@
-"""Host preflight: every check says pass, fail or skip, and on failure how to fix it."""
+"""Host preflight: every check says pass, fail or skip, and on failure how to fix it.
+
+On the CPU stack the GPU, RDMA, memlock and NVIDIA runtime checks are skipped and the CPUs
+P and D are pinned to are checked instead."""
 
 from __future__ import annotations
 
@@ -38,7 +41,36 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(map(str, values)) or "none"
 
 
+# What compose.yaml and compose.cpu.yaml need: Engine 20.10 (API 1.41) for every key they
+# use, Compose 2.24.4 for `!reset` in the CPU override.
+MIN_ENGINE = (20, 10)
+MIN_COMPOSE = (2, 24, 4)
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """"v2.40.3", "20.10.24+dfsg1", "28.0.1-1" -> (2, 40, 3), (20, 10, 24), (28, 0, 1)."""
+    parts = []
+    for piece in text.strip().lstrip("v").split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    return tuple(parts)
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
 def check_gpus(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
+    if cfg is not None and cfg.stack == "cpu":
+        return [_skip("GPUs", "stack is cpu"), check_cpus(cfg, probe)]
     gpus, source = probe.gpus()
     if not gpus:
         return [_fail("GPUs", "no NVIDIA GPU found (nvidia-smi, /proc/driver/nvidia/gpus)",
@@ -59,6 +91,17 @@ def check_gpus(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
         out.append(_pass("GPU indices", f"prefill {_ranges(cfg.gpus.prefill)}, decode "
                          f"{_ranges(cfg.gpus.decode)}"))
     return out
+
+
+def check_cpus(cfg: HostConfig, probe: HostProbe) -> Check:
+    online = probe.cpus()
+    missing = [f"CPU {c} (cpus.{role})" for role in ("prefill", "decode")
+               for c in getattr(cfg.cpus, role) if c not in online]
+    if missing:
+        return _fail("CPUs", f"{', '.join(missing)} not online; online: {_ranges(online)}",
+                     "set cpus.prefill and cpus.decode to CPUs of this host, P and D apart")
+    return _pass("CPUs", f"prefill {_ranges(cfg.cpus.prefill)}, decode "
+                 f"{_ranges(cfg.cpus.decode)} ({len(online)} online)")
 
 
 def check_rdma(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
@@ -163,7 +206,7 @@ def check_ports(cfg: HostConfig | None, probe: HostProbe) -> Check:
     return _pass(name, "free: " + ", ".join(f"{p} ({r})" for r, p in ports.items()))
 
 
-def check_docker(probe: HostProbe) -> list[Check]:
+def check_docker(probe: HostProbe, stack: str = "gpu") -> list[Check]:
     version, why = probe.docker_server_version()
     if version is None:
         if "not found" in why:
@@ -172,13 +215,25 @@ def check_docker(probe: HostProbe) -> list[Check]:
                     _skip("NVIDIA container runtime", "no docker CLI")]
         daemon = _fail("docker", f"daemon not reachable: {why}",
                        "systemctl start docker (and add this user to the docker group)")
+    elif version_tuple(version) < MIN_ENGINE:
+        daemon = _fail("docker", f"Engine {version}: compose.yaml needs Engine "
+                       f"{_dotted(MIN_ENGINE)} or later", "upgrade Docker Engine (docker-ce)")
     else:
         daemon = _pass("docker", f"Engine {version}")
     out = [daemon]
     compose, why = probe.compose_version()
-    out.append(_pass("docker compose", f"v{compose.lstrip('v')}") if compose else
-               _fail("docker compose", why or "not installed",
-                     "install the Compose v2 plugin (docker-compose-plugin)"))
+    if not compose:
+        out.append(_fail("docker compose", why or "not installed",
+                         "install the Compose v2 plugin (docker-compose-plugin)"))
+    elif version_tuple(compose) < MIN_COMPOSE:
+        out.append(_fail("docker compose", f"v{compose.lstrip('v')}: the node's compose files "
+                         f"need Compose {_dotted(MIN_COMPOSE)} or later",
+                         "upgrade the Compose v2 plugin (docker-compose-plugin)"))
+    else:
+        out.append(_pass("docker compose", f"v{compose.lstrip('v')}"))
+    if stack == "cpu":
+        out.append(_skip("NVIDIA container runtime", "stack is cpu"))
+        return out
     if version is None:
         out.append(_skip("NVIDIA container runtime", "docker daemon not reachable"))
         return out
@@ -211,4 +266,5 @@ def check_model(cfg: HostConfig | None, probe: HostProbe) -> Check:
 
 def run_checks(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
     return [*check_gpus(cfg, probe), *check_rdma(cfg, probe), check_memlock(cfg, probe),
-            check_ports(cfg, probe), check_model(cfg, probe), *check_docker(probe)]
+            check_ports(cfg, probe), check_model(cfg, probe),
+            *check_docker(probe, cfg.stack if cfg is not None else "gpu")]

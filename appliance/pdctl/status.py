@@ -36,6 +36,7 @@ class ProcessState:
     ok: bool
     detail: str = ""
     restarts: int | None = None
+    exit_code: int | None = None  # containers: the last exit code Docker recorded
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ServiceStatus:
     health: str
     detail: str = ""
     restarts: int | None = None
+    exit_code: int | None = None
 
 
 @dataclass
@@ -160,12 +162,14 @@ def gather(endpoints: Endpoints, processes: Mapping[str, ProcessState] | None, m
             reason = (health.json() or {}).get("reason") if health.status == 503 else None
             health_text = f"unhealthy: {reason or f'HTTP {health.status}'}"
         if proc is None:  # nothing tells us about the process: the answer is the evidence
-            state, running, restarts = ("running" if health.status else "unknown"), \
-                health.status is not None, None
+            state, running, restarts, code = ("running" if health.status else "unknown"), \
+                health.status is not None, None, None
         else:
-            state, running, restarts = proc.state + (f" ({proc.detail})" if proc.detail
-                                                     else ""), proc.ok, proc.restarts
-        svc = ServiceStatus(name, url, state, running, healthy, health_text, restarts=restarts)
+            state, running, restarts, code = proc.state + (
+                f" ({proc.detail})" if proc.detail else ""), proc.ok, proc.restarts, \
+                proc.exit_code
+        svc = ServiceStatus(name, url, state, running, healthy, health_text, restarts=restarts,
+                            exit_code=code)
         status.services.append(svc)
         if health.status is None:
             continue
@@ -225,7 +229,8 @@ def render_table(status: NodeStatus, console: Console) -> None:
     for col in ("service", "state", "health", "url", "details"):
         table.add_column(col, overflow="fold")
     for s in status.services:
-        state = s.state + (f", restarts {s.restarts}" if s.restarts else "")
+        state = s.state + (f", restarts {s.restarts}" if s.restarts else "") + (
+            f", exit code {s.exit_code}" if s.exit_code is not None else "")
         color = "green" if s.running and s.healthy else "red"
         table.add_row(s.name, state, f"[{color}]{s.health}[/]", s.url, s.detail)
     console.print(table)

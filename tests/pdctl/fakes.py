@@ -34,9 +34,12 @@ class FakeHost:
     root: Path
     gpus: int = 2
     devices: tuple[str, ...] = ("mlx5_0",)
+    cpus: str = "0-7"  # /sys/devices/system/cpu/online
 
     def build(self) -> FakeHost:
         r = self.root
+        (r / "sys/devices/system/cpu").mkdir(parents=True)
+        (r / "sys/devices/system/cpu/online").write_text(self.cpus + "\n")
         for i in range(self.gpus):
             bus = f"0000:{0x18 + i:02x}:00.0"
             d = r / "proc/driver/nvidia/gpus" / bus
@@ -68,6 +71,14 @@ class FakeHost:
         return self
 
     # ---- breakages ----------------------------------------------------------------------
+    def cpu_only(self, runner: FakeRunner) -> None:
+        """No NVIDIA driver, no RDMA NIC: a CPU host."""
+        import shutil
+
+        shutil.rmtree(self.root / "proc/driver/nvidia")
+        shutil.rmtree(self.root / "sys/class/infiniband")
+        runner.answers.pop(("nvidia-smi",), None)
+
     def no_peermem(self) -> None:
         (self.root / "sys/module/nvidia_peermem").rmdir()
 

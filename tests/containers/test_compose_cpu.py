@@ -1,0 +1,216 @@
+"""The whole node in containers on this CPU machine, as a user runs it.
+
+A private Docker Engine (tests/containers/engine.py), a Debian base made with debootstrap,
+every CPU-stack image built by images/build.sh, then pdctl init --stack cpu / up / status /
+logs / down on the tiny model. Greedy output through the containers equals a plain vLLM
+server's, D's container killed comes back by its restart policy, and after `down` and the
+engine's stop nothing is left: no container, mount, namespace or process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from appliance.pdctl.config import parse_config
+from appliance.pdctl.configtoml import to_toml
+from appliance.process import (
+    CPU_BLOCK_SIZE,
+    CPU_SERVE_FLAGS,
+    ServiceProcess,
+    cpu_env,
+    vllm_serve_argv,
+)
+from tests.conftest import free_port
+from tests.containers.engine import (
+    DockerEngine,
+    EngineUnavailable,
+    build_images,
+    cache_dir,
+    ensure_packages,
+)
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+PROJECT = "pdtest"
+LONG = " ".join(f"word{i % 37} and more text number {i}" for i in range(40))  # > 4 blocks
+PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,", LONG]
+CHAT = [[{"role": "user", "content": "Say something about the sea."}],
+        [{"role": "system", "content": "Answer briefly."},
+         {"role": "user", "content": LONG}]]
+
+
+def requests_to_check() -> list[tuple[str, dict]]:
+    out = []
+    for stream in (False, True):
+        out += [("/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 16,
+                                     "temperature": 0, "stream": stream}) for p in PROMPTS]
+        out += [("/v1/chat/completions", {"model": "tiny", "messages": m, "max_tokens": 16,
+                                          "temperature": 0, "stream": stream}) for m in CHAT]
+    return out
+
+
+def answer(base: str, path: str, body: dict, timeout: float = 120) -> str:
+    """The generated text of one request, streaming or not."""
+    chat = path.endswith("chat/completions")
+    with httpx.Client(timeout=timeout) as http:
+        if not body.get("stream"):
+            r = http.post(base + path, json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"] if chat else choice["text"]
+        pieces = []
+        with http.stream("POST", base + path, json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    pieces.append((choice.get("delta") or {}).get("content") or ""
+                                  if chat else choice.get("text") or "")
+        return "".join(pieces)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("engine")
+    try:
+        ensure_packages(logs / "apt.log")
+        eng = DockerEngine(cache_dir() / "docker")
+        eng.start()
+    except EngineUnavailable as exc:
+        pytest.skip(f"no Docker Engine here: {exc}")
+    try:
+        times = build_images(eng, logs / "build.log")
+        print(f"\nimages: {', '.join(f'{k} {v:.0f} s' for k, v in times.items())}")
+        yield eng
+    finally:
+        left = eng.stop()
+        assert not left, f"the engine left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, tmp_path_factory):
+    """A plain server's answers, taken before the containers run (two cores only)."""
+    port = free_port()
+    proc = ServiceProcess(
+        "plain-vllm", vllm_serve_argv(tiny_model, port, served_model_name="tiny",
+                                      block_size=CPU_BLOCK_SIZE, max_model_len=2048,
+                                      extra=CPU_SERVE_FLAGS),
+        tmp_path_factory.mktemp("plain") / "vllm.log", env=cpu_env("0"),
+        health_url=f"http://127.0.0.1:{port}/health", cpus=[0])
+    proc.start()
+    try:
+        proc.wait_healthy(300)
+        return [answer(f"http://127.0.0.1:{port}", path, body)
+                for path, body in requests_to_check()]
+    finally:
+        proc.stop()
+
+
+def pdctl(engine: DockerEngine, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "appliance.pdctl", *args], capture_output=True,
+                          text=True, env=engine.env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def node(engine, expected, tiny_model, tmp_path_factory):
+    etc = tmp_path_factory.mktemp("etc")
+    config = etc / "host.toml"
+    ports = {name: free_port() for name in ("proxy", "prefill", "decode", "bootstrap")}
+    res = pdctl(engine, "init", "--config", str(config), "--stack", "cpu", "--model",
+                str(tiny_model), "--served-name", "tiny", "--host-ip", "127.0.0.1",
+                "--max-model-len", "2048")
+    assert res.returncode == 0, res.stderr
+    data = tomllib.loads(config.read_text())
+    data["model"]["extra_args"] = ["--enforce-eager"]  # starts in half the time on CPUs
+    data["ports"] = ports
+    data["compose"] = {"project": PROJECT}
+    config.write_text(to_toml(parse_config(data)))
+    up = pdctl(engine, "up", "--config", str(config), "--timeout", "600")
+    print(up.stdout)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr
+    try:
+        yield {"config": config, "proxy": f"http://127.0.0.1:{ports['proxy']}", "up": up}
+    finally:
+        pdctl(engine, "down", "--config", str(config))
+
+
+def status(engine: DockerEngine, node: dict) -> dict:
+    res = pdctl(engine, "status", "--config", str(node["config"]), "--json", timeout=60)
+    return json.loads(res.stdout)
+
+
+def test_up_reports_every_container_healthy_with_timings(engine, node):
+    assert "node healthy in" in node["up"].stdout
+    for step in ("created", "bootstrap", "prefill", "decode", "proxy"):
+        assert step in node["up"].stdout
+    st = status(engine, node)
+    assert st["healthy"], st
+    for svc in st["services"]:
+        assert svc["state"].startswith("running") and svc["exit_code"] == 0, svc
+        assert svc["healthy"], svc
+
+
+def test_greedy_output_through_containers_equals_a_plain_server(engine, node, expected):
+    before = status(engine, node)["counters"].get("decode.received", 0)
+    got = [answer(node["proxy"], path, body) for path, body in requests_to_check()]
+    assert got == expected
+    after = status(engine, node)["counters"]
+    # D used P's KV: one pull per request, none failed.
+    assert after["decode.received"] - before == len(expected)
+    assert after.get("decode.receive_failures", 0) == 0
+
+
+def test_logs_prints_decode_log(engine, node):
+    res = pdctl(engine, "logs", "decode", "--config", str(node["config"]), "--tail", "0",
+                timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "Creating v1 connector with name: PDConnector" in res.stdout, res.stdout[-2000:]
+    assert "kv_consumer" in res.stdout
+
+
+def test_killed_decode_container_comes_back_and_serves(engine, node, expected):
+    name = f"{PROJECT}-decode-1"
+    pid = int(engine.docker("inspect", "-f", "{{.State.Pid}}", name).stdout.strip())
+    os.kill(pid, 9)  # the container's init: a crash as far as Docker can tell
+    deadline = time.monotonic() + 300
+    state = ""
+    while time.monotonic() < deadline:
+        state = engine.docker("inspect", "-f", "{{.RestartCount}} {{.State.Health.Status}}",
+                              name).stdout.strip()
+        if state.startswith(("1 healthy", "2 healthy")):
+            break
+        time.sleep(2)
+    assert state.endswith("healthy"), state
+    path, body = requests_to_check()[0]
+    deadline = time.monotonic() + 60
+    while True:  # the proxy's health poll puts D back in rotation within seconds
+        try:
+            assert answer(node["proxy"], path, body) == expected[0]
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def test_down_removes_every_container(engine, node):
+    res = pdctl(engine, "down", "--config", str(node["config"]))
+    assert res.returncode == 0, res.stderr
+    left = engine.docker("ps", "-a", "-q", "--filter",
+                         f"label=com.docker.compose.project={PROJECT}")
+    assert left.stdout.strip() == ""
+    # Images stay for the next run (the warm path).
+    assert engine.docker("image", "inspect", "pd-appliance/vllm-cpu:0.1.0").returncode == 0
