@@ -89,6 +89,7 @@ def _local_options(**kw: Any) -> Any:
         decode_port=kw["decode_port"], bootstrap_port=kw["bootstrap_port"],
         model=Path(kw["model"]).resolve() if kw["model"] else None,
         served_model_name=kw["served_model_name"],
+        max_model_len=kw["max_model_len"] or 2048, kv_cache_bytes=kw["kv_cache_bytes"],
         run_dir=kw["run_dir"] or default_run_dir(), cache_dir=kw["cache_dir"] or
         default_cache_dir(), timeout=kw["timeout"] or 600.0)
 
@@ -111,6 +112,11 @@ run_dir_option = click.option("--run-dir", type=click.Path(path_type=Path, file_
 @click.option("--model", type=click.Path(file_okay=False, exists=True),
               help="--local: a model directory (default: the tiny model, built on first use)")
 @click.option("--served-model-name", help="--local: the model's name in requests")
+@click.option("--max-model-len", type=click.IntRange(16),
+              help="--local: longest request in tokens (default 2048)")
+@click.option("--kv-cache-bytes", type=click.IntRange(1 << 20),
+              help="--local: KV cache per vLLM server (default: sized from the model for a "
+                   "few requests of max-model-len)")
 @click.option("--cache-dir", type=click.Path(path_type=Path, file_okay=False),
               help="--local: where the tiny model is built (default ~/.cache/pd-appliance)")
 @run_dir_option

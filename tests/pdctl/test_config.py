@@ -41,6 +41,14 @@ def test_example_config_parses():
     assert (cfg.gpus.prefill, cfg.gpus.decode) == ([0], [1])
     assert cfg.ports.model_dump() == {"proxy": 8000, "prefill": 8010, "decode": 8020,
                                       "bootstrap": 8998}
+    assert cfg.stack == "gpu"
+
+
+def test_cpu_example_config_parses():
+    cfg = load_config(ROOT / "config" / "host.cpu.example.toml")
+    assert (cfg.stack, cfg.transfer.protocol, cfg.block_size) == ("cpu", "tcp", 32)
+    assert (cfg.cpus.prefill, cfg.cpus.decode) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert cfg.vllm_image == "pd-appliance/vllm-cpu:0.1.0"
 
 
 BAD = [

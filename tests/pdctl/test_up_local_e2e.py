@@ -55,7 +55,7 @@ def port_free(port: int) -> bool:
 class UpLocal:
     """`pdctl up --local` in the foreground of a child process, as a user runs it."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
         self.ports = {"--port": free_port(), "--prefill-port": free_port(),
                       "--decode-port": free_port(), "--bootstrap-port": free_port()}
         self.run_dir = tmp_path / "run"
@@ -64,6 +64,7 @@ class UpLocal:
                 "--cache-dir", str(MODEL_CACHE.parent), "--timeout", "600"]
         for flag, port in self.ports.items():
             args += [flag, str(port)]
+        args += extra
         self.log = self.log_path.open("w")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
@@ -184,5 +185,26 @@ def test_ctrl_c_while_starting_leaves_nothing(tmp_path, tiny_model):
         assert "interrupted; stopping the local node" in node.output()
         assert group_members(groups) == []
         assert not (node.run_dir / "state.json").exists()
+    finally:
+        node.cleanup()
+
+
+def test_up_local_sizes_the_kv_cache_for_a_larger_model(tmp_path):
+    """The kvbench model needs 96 MiB of KV for one 2,048-token request: a fixed 64 MiB made
+    vLLM refuse to start ("... KV cache is needed, which is larger than the available KV
+    cache memory"). Sized from its config.json, the node starts and serves."""
+    from appliance import tinymodel
+
+    model = tinymodel.build(MODEL_CACHE / "kvbench", "kvbench")
+    node = UpLocal(tmp_path, "--model", str(model))
+    try:
+        node.wait_for("node healthy in", timeout=620)
+        assert "KV cache 384 MiB per server (4 requests of 2048 tokens)" in node.output()
+        got = post(f"{node.url}/v1/completions", {"model": "kvbench", "prompt": "A " * 600,
+                                                 "max_tokens": 4, "temperature": 0})
+        assert got["usage"]["completion_tokens"] == 4
+        res = subprocess.run([PDCTL, "status", "--run-dir", str(node.run_dir), "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert json.loads(res.stdout)["counters"]["decode.received"] == 1
     finally:
         node.cleanup()
