@@ -53,11 +53,25 @@ def ensure_packages(log: Path) -> None:
         raise EngineUnavailable(f"{', '.join(missing)} missing and cannot be installed here "
                                 f"(needs root and apt-get)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    with log.open("ab") as out:
-        for argv in (["apt-get", "update", "-qq"],
-                     ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]):
-            if subprocess.run(argv, stdout=out, stderr=out, env=env, timeout=900).returncode:
-                raise EngineUnavailable(f"`{' '.join(argv)}` failed (see {log})")
+    # The packages' scripts must not start a dockerd (or containerd) with default settings,
+    # which would rewrite the host's network: Debian's policy-rc.d says no to every start.
+    policy = Path("/usr/sbin/policy-rc.d")
+    ours = not policy.exists()
+    if ours:
+        policy.write_text("#!/bin/sh\n# pd-appliance tests: no service starts while apt runs\n"
+                          "exit 101\n")
+        policy.chmod(0o755)
+    try:
+        with log.open("ab") as out:
+            for argv in (["apt-get", "update", "-qq"],
+                         ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
+                          *missing]):
+                if subprocess.run(argv, stdout=out, stderr=out, env=env,
+                                  timeout=900).returncode:
+                    raise EngineUnavailable(f"`{' '.join(argv)}` failed (see {log})")
+    finally:
+        if ours:
+            policy.unlink(missing_ok=True)
 
 
 def _cmdline(pid: int) -> str:

