@@ -53,6 +53,10 @@ def _ints(value: str | None, what: str = "GPU") -> list[int] | None:
 @click.option("--rdma-device", help="RDMA device (default: the first with an ACTIVE port)")
 @click.option("--gpudirect", type=click.Choice(["peermem", "dmabuf"]),
               help="GPUDirect path (default: peermem when loaded, else dmabuf when usable)")
+@click.option("--proxy-port", type=click.IntRange(1, 65535), help="default 8000")
+@click.option("--prefill-port", type=click.IntRange(1, 65535), help="default 8010")
+@click.option("--decode-port", type=click.IntRange(1, 65535), help="default 8020")
+@click.option("--bootstrap-port", type=click.IntRange(1, 65535), help="default 8998")
 @click.option("--force", is_flag=True, help="overwrite an existing config")
 @click.option("--no-input", is_flag=True, help="never prompt (the default when flags are given)")
 @click.pass_context
@@ -61,8 +65,9 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
          host_ip: str | None, stack: str | None, prefill_gpus: str | None,
          decode_gpus: str | None, prefill_cpus: str | None, decode_cpus: str | None,
          max_model_len: int | None, kv_cache_bytes: int | None, tp_size: int,
-         protocol: str | None, rdma_device: str | None, gpudirect: str | None, force: bool,
-         no_input: bool) -> None:
+         protocol: str | None, rdma_device: str | None, gpudirect: str | None,
+         proxy_port: int | None, prefill_port: int | None, decode_port: int | None,
+         bootstrap_port: int | None, force: bool, no_input: bool) -> None:
     """Detect this host's GPUs (or CPUs), RDMA devices and address, and write its config."""
     env = env_of(ctx)
     probe = env.probe
@@ -112,6 +117,11 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
                      "device": (rdma_device or (chosen.name if chosen else ""))
                      if protocol == "rdma" else ""},
     }
+    ports = {name: port for name, port in (("proxy", proxy_port), ("prefill", prefill_port),
+                                           ("decode", decode_port),
+                                           ("bootstrap", bootstrap_port)) if port is not None}
+    if ports:
+        data["ports"] = ports
     if stack == "gpu":
         p = _ints(prefill_gpus) or list(range(tp_size))
         d = _ints(decode_gpus) or list(range(len(p), len(p) + tp_size))

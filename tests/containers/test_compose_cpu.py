@@ -131,11 +131,12 @@ def node(engine, expected, tiny_model, tmp_path_factory):
     ports = {name: free_port() for name in ("proxy", "prefill", "decode", "bootstrap")}
     res = pdctl(engine, "init", "--config", str(config), "--stack", "cpu", "--model",
                 str(tiny_model), "--served-name", "tiny", "--host-ip", "127.0.0.1",
-                "--max-model-len", "2048")
+                "--max-model-len", "2048",
+                *(arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))))
     assert res.returncode == 0, res.stderr
     data = tomllib.loads(config.read_text())
+    assert data["ports"] == ports and data["stack"] == "cpu"
     data["model"]["extra_args"] = ["--enforce-eager"]  # starts in half the time on CPUs
-    data["ports"] = ports
     data["compose"] = {"project": PROJECT}
     config.write_text(to_toml(parse_config(data)))
     up = pdctl(engine, "up", "--config", str(config), "--timeout", "600")

@@ -128,9 +128,12 @@ def test_init_stack_cpu_on_a_gpu_host_with_explicit_cpus(pdctl, tmp_path):
     out = tmp_path / "host.toml"
     res = pdctl("init", "--out", str(out), "--model", "/models/qwen", "--stack", "cpu",
                 "--prefill-cpus", "2", "--decode-cpus", "5,6", "--kv-cache-bytes",
-                str(512 * MIB), "--max-model-len", "4096")
+                str(512 * MIB), "--max-model-len", "4096", "--proxy-port", "18000",
+                "--bootstrap-port", "18998")
     assert res.exit_code == 0, res.output
     cfg = parse_config(tomllib.loads(out.read_text()))
+    assert cfg.ports.model_dump() == {"proxy": 18000, "prefill": 8010, "decode": 8020,
+                                      "bootstrap": 18998}
     assert (cfg.stack, cfg.cpus.prefill, cfg.cpus.decode) == ("cpu", [2], [5, 6])
     assert (cfg.model.kv_cache_bytes, cfg.model.max_model_len) == (512 * MIB, 4096)
 
