@@ -125,6 +125,13 @@ class ModelSection(_Section):
         return self.served_name or Path(self.path).name
 
 
+def _once_each(values: list[int], what: str) -> list[int]:
+    dup = sorted({i for i in values if values.count(i) > 1})
+    if dup:
+        raise ValueError(f"{what} {dup[0]} is listed twice")
+    return values
+
+
 class GpusSection(_Section):
     prefill: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0], min_length=1)
     decode: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [1], min_length=1)
@@ -132,25 +139,19 @@ class GpusSection(_Section):
     @field_validator("prefill", "decode")
     @classmethod
     def _unique(cls, v: list[int]) -> list[int]:
-        dup = sorted({i for i in v if v.count(i) > 1})
-        if dup:
-            raise ValueError(f"GPU {dup[0]} is listed twice")
-        return v
+        return _once_each(v, "GPU")
 
 
 class CpusSection(_Section):
     # CPU stack: the CPUs P's and D's containers run on (`pdctl init` splits the host's in
-    # two). Empty: not pinned.
+    # two); required there.
     prefill: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     decode: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
 
     @field_validator("prefill", "decode")
     @classmethod
     def _unique(cls, v: list[int]) -> list[int]:
-        dup = sorted({i for i in v if v.count(i) > 1})
-        if dup:
-            raise ValueError(f"CPU {dup[0]} is listed twice")
-        return sorted(v)
+        return sorted(_once_each(v, "CPU"))
 
 
 class TransferSection(_Section):
