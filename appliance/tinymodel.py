@@ -1,12 +1,15 @@
-"""Build a small random-weight Qwen3 model with its own tokenizer, fully offline.
+"""Build a small random-weight model with its own tokenizer, fully offline.
 
-`python -m appliance.tinymodel DIR [--size tiny|kvbench]` writes a directory that
+`python -m appliance.tinymodel DIR [--size tiny|kvbench|mla]` writes a directory that
 `vllm serve DIR` loads with HF_HUB_OFFLINE=1. Everything is derived from fixed seeds and a
 generated training text, so building the same size twice gives byte-identical files.
 
 - tiny: 2 layers, 2 KV heads x head_dim 32 (fast; the parity tests use it).
 - kvbench: 12 layers, 8 KV heads x head_dim 128, so moving KV costs what it does on real
   models (48 KiB of KV per token; 2,000 tokens = 94 MiB) for transfer benchmarks.
+- mla: a DeepSeek-V2-style model (multi-head latent attention: one 576-wide latent per token
+  and layer, no KV heads), 2 dense layers; the latent width is the one vLLM's CPU MLA
+  kernel is built for (kv_lora_rank 512 + rope 64).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -45,8 +49,17 @@ class ModelSpec:
     # model just repeats the prompt's last token, and a test could not tell whether D used
     # P's KV or none at all.
     init_std: float = 0.1
+    # "deepseek_v2": MLA; the four widths below apply to it alone.
+    arch: str = "qwen3"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def kv_bytes_per_token(self, elem_size: int = 2) -> int:
+        if self.arch == "deepseek_v2":  # one latent (plus its rope part) per layer
+            return self.num_hidden_layers * (self.kv_lora_rank + self.qk_rope_head_dim) \
+                * elem_size
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem_size
 
 
@@ -56,6 +69,10 @@ SIZES: dict[str, ModelSpec] = {
     "kvbench": ModelSpec("kvbench", num_hidden_layers=12, hidden_size=256,
                          intermediate_size=512, num_attention_heads=8, num_key_value_heads=8,
                          head_dim=128),
+    "mla": ModelSpec("mla", num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                     arch="deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64,
+                     qk_nope_head_dim=32, v_head_dim=32),
 }
 
 _WORDS = (
@@ -119,30 +136,15 @@ def build(out_dir: Path, size: str = "tiny", force: bool = False) -> Path:
         return out_dir
 
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig
 
     tokenizer = build_tokenizer(spec)
     # Round the embedding table up so the vocabulary fits exactly as vLLM pads it.
     vocab = -(-len(tokenizer) // 64) * 64
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
-        initializer_range=spec.init_std,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        torch_dtype="bfloat16",
-    )
+    config, model_cls = _config(spec, vocab, tokenizer)
     torch.manual_seed(spec.seed)
     with torch.no_grad():
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        model = model_cls(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -152,6 +154,35 @@ def build(out_dir: Path, size: str = "tiny", force: bool = False) -> Path:
                        for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != STAMP}
     stamp.write_text(json.dumps(wanted, indent=1, sort_keys=True))
     return out_dir
+
+
+def _config(spec: ModelSpec, vocab: int, tokenizer: Any) -> tuple[Any, Any]:
+    """The Hugging Face config and model class of a spec."""
+    common = dict(
+        vocab_size=vocab, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        # vLLM's DeepseekV2 never ties lm_head to the embeddings: a tied checkpoint (no
+        # lm_head.weight) leaves it unloaded and every logit NaN.
+        tie_word_embeddings=spec.arch != "deepseek_v2",
+        initializer_range=spec.init_std, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype="bfloat16")
+    if spec.arch == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        # Every layer dense (first_k_dense_replace = all): the expert fields must still be
+        # set, and are never used.
+        return DeepseekV2Config(
+            **common, kv_lora_rank=spec.kv_lora_rank, q_lora_rank=None,
+            qk_rope_head_dim=spec.qk_rope_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
+            v_head_dim=spec.v_head_dim, first_k_dense_replace=spec.num_hidden_layers,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+            moe_intermediate_size=spec.intermediate_size // 4), DeepseekV2ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3Config(**common, head_dim=spec.head_dim), Qwen3ForCausalLM
 
 
 def main(argv: list[str] | None = None) -> int:

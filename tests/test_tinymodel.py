@@ -57,6 +57,29 @@ def test_kvbench_spec_moves_real_amounts_of_kv():
     assert spec.num_key_value_heads >= 8 and spec.head_dim == 128
 
 
+def test_mla_model_is_deterministic_deepseek_v2_with_an_untied_head(tmp_path):
+    """vLLM's DeepseekV2 does not tie lm_head to the embeddings: a tied checkpoint served
+    NaN logits (every token id 0). The latent is the width vLLM's CPU MLA kernel takes."""
+    from appliance import kvbudget
+
+    a = tinymodel.build(tmp_path / "a", "mla")
+    b = tinymodel.build(tmp_path / "b", "mla")
+    assert _digest(a) == _digest(b)
+    config = json.loads((a / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert config["tie_word_embeddings"] is False
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
+    assert config["q_lora_rank"] is None
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"]  # no experts run
+    from safetensors import safe_open
+
+    with safe_open(str(a / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in f.keys()
+    spec = tinymodel.SIZES["mla"]
+    assert spec.kv_bytes_per_token() == 2 * 576 * 2
+    assert kvbudget.kv_bytes_per_token(config) == spec.kv_bytes_per_token()
+
+
 def test_cli_usage_error_exits_nonzero(tmp_path):
     res = subprocess.run([sys.executable, "-m", "appliance.tinymodel", str(tmp_path), "--size",
                           "huge"], capture_output=True, text=True, timeout=60)
