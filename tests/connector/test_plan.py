@@ -47,6 +47,15 @@ def test_cpu_layout_is_one_region_per_layer() -> None:
     assert regions[0].contiguous
 
 
+@pytest.mark.parametrize("shape", [(100, 1, 16, 576), (100, 16, 576)],
+                         ids=["cpu-mla", "gpu-mla"])
+def test_mla_latent_cache_is_one_region_per_layer(shape) -> None:
+    # MLA: one latent (kv_lora_rank 512 + rope 64) per token, no K/V split, no heads:
+    # vLLM's CPU MLA cache is [num_blocks, 1, block_size, 576], the GPU ones drop the 1.
+    regions = regions_from_layout(8192, shape, contiguous_strides(shape), 2, 100)
+    assert regions == [Region(8192, 16 * 576 * 2, 16 * 576 * 2, 100)]
+
+
 def test_flash_layout_is_two_regions_per_layer() -> None:
     # [2, num_blocks, block_size, kv_heads, head_dim]: K and V are separate regions
     shape = (2, 100, 16, 8, 128)
@@ -171,7 +180,7 @@ def _region_block(region: Region, block: int) -> bytes:
     return ctypes.string_at(region.base_addr + block * region.block_stride, region.block_bytes)
 
 
-@pytest.mark.parametrize("layout", ["cpu", "flash", "flashinfer", "hnd", "interleaved"])
+@pytest.mark.parametrize("layout", ["cpu", "flash", "flashinfer", "hnd", "interleaved", "mla"])
 def test_addresses_hit_exactly_the_indexed_block(torch, layout: str) -> None:
     nb, h, bs, d, layers = 12, 2, 4, 8, 3
     g = torch.Generator().manual_seed(1)
@@ -191,11 +200,16 @@ def test_addresses_hit_exactly_the_indexed_block(torch, layout: str) -> None:
             for _ in range(layers)
         ]
         kv_slices = [lambda t, b: t[0, b], lambda t, b: t[1, b]]
+    elif layout == "mla":  # vLLM's CPU MLA: [num_blocks, 1, block_size, latent], one buffer
+        latent = 576
+        buf = torch.empty(layers * nb * bs * latent, dtype=torch.bfloat16)
+        tensors = [t.view(nb, 1, bs, latent) for t in buf.chunk(layers)]
+        kv_slices = [lambda t, b: t[b]]
     else:
         buf = torch.empty(nb, layers, h, bs, 2 * d, dtype=torch.bfloat16)
         tensors = [buf[:, i] for i in range(layers)]
         kv_slices = [lambda t, b: t[b]]
-    block_dim = 0 if layout in ("cpu", "flashinfer", "interleaved") else 1
+    block_dim = 0 if layout in ("cpu", "flashinfer", "interleaved", "mla") else 1
     for t in tensors:
         t.copy_(torch.randn(t.shape, generator=g))
         regions = TensorInfo.from_tensor(t).regions(nb, block_dim)
