@@ -39,6 +39,20 @@ def make_caches(fill: bool, seed: int = 0, device: str = "cpu") -> dict[str, tor
             for i in range(LAYERS)}
 
 
+MLA_LATENT = 576  # kv_lora_rank 512 + rope 64
+
+
+def make_mla_caches(fill: bool, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """vLLM's CPU MLA layout: per layer [blocks, 1, block, latent], one buffer."""
+    per_layer = BLOCKS * BLOCK * MLA_LATENT
+    g = torch.Generator().manual_seed(seed)
+    buf = (torch.randn(LAYERS * per_layer, generator=g) if fill
+           else torch.zeros(LAYERS * per_layer)).to(device=device, dtype=torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn":
+            buf[i * per_layer:(i + 1) * per_layer].view(BLOCKS, 1, BLOCK, MLA_LATENT)
+            for i in range(LAYERS)}
+
+
 class Side:
     def __init__(self, caches: dict[str, torch.Tensor]) -> None:
         self.caches = caches
@@ -83,10 +97,11 @@ async def receiver_results(receiver: Receiver, timeout: float = 10
 class Pair:
     """One producer and one consumer worker side sharing the test's event loop."""
 
-    def __init__(self, bootstrap_url: str, device: str = "cpu", **overrides) -> None:
+    def __init__(self, bootstrap_url: str, device: str = "cpu", make=make_caches,
+                 **overrides) -> None:
         self.url = bootstrap_url
-        self.p = Side(make_caches(True, device=device))
-        self.d = Side(make_caches(False, device=device))
+        self.p = Side(make(True, device=device))
+        self.d = Side(make(False, device=device))
         common = {"bootstrap_addr": bootstrap_url, "host": "127.0.0.1",
                   "register_interval_s": 0.5, "send_timeout_s": 3, "recv_timeout_s": 3,
                   "cancel_grace_s": 1, **overrides}
@@ -167,6 +182,21 @@ async def test_push_after_prefill_then_free(pair):
     totals = pair.p.stats.totals
     assert totals["transfers"] == 1 and totals["failures"] == 0
     assert totals["bytes"] == 4 * LAYERS * HEADS * BLOCK * 2 * HEAD_DIM * 2
+
+
+async def test_mla_latent_blocks_arrive_byte_for_byte(bootstrap_url):
+    """MLA: one latent per token and layer, no heads to split; every block lands whole."""
+    pr = Pair(bootstrap_url, make=make_mla_caches)
+    await pr.start()
+    try:
+        pr.sender.on_ready("p1", "x1", [0, 7, 8, 63], None)
+        pr.receiver.on_recv("d1", pr.spec("x1", [5, 6, 40, 62]))
+        assert await pr.results() == ({"d1"}, set())
+        pr.assert_copied([0, 7, 8, 63], [5, 6, 40, 62])
+        pr.assert_untouched({5, 6, 40, 62})
+        assert pr.p.stats.totals["bytes"] == 4 * LAYERS * BLOCK * MLA_LATENT * 2
+    finally:
+        await pr.close()
 
 
 async def test_decode_first_then_prefill(pair):
