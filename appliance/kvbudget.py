@@ -77,6 +77,13 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     return data
 
 
+def budget(explicit: int | None, model_dir: str | Path, max_model_len: int | None,
+           block_size: int) -> int:
+    """The bytes a server gets: the configured number, or else sized from the model."""
+    return explicit if explicit is not None else \
+        for_model_dir(model_dir, max_model_len, block_size)
+
+
 def for_model_dir(model_dir: str | Path, max_model_len: int | None, block_size: int,
                   sequences: int = SEQUENCES) -> int:
     config = read_config(model_dir)

@@ -79,11 +79,6 @@ class NodeSpec:
         host = self.proxy_host or self.host
         return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.proxy_port}"
 
-    def kv_budget(self) -> int:
-        if self.kv_cache_bytes is not None:
-            return self.kv_cache_bytes
-        return kvbudget.for_model_dir(self.model, self.max_model_len, CPU_BLOCK_SIZE)
-
     def kv_transfer_config(self, role: str) -> str:
         engine = self.prefill_engine_id if role == "kv_producer" else self.decode_engine_id
         extra = {"bootstrap_addr": self.bootstrap_url, "protocol": "tcp", "host": self.host,
@@ -108,7 +103,8 @@ class LocalNode:
             [sys.executable, "-m", "appliance.bootstrap", "--host", s.host, "--port",
              str(s.bootstrap_port), "--ttl", str(s.bootstrap_ttl)],
             s.log_dir / "bootstrap.log", health_url=f"{s.bootstrap_url}/health")
-        self.kv_bytes = s.kv_budget()
+        self.kv_bytes = kvbudget.budget(s.kv_cache_bytes, s.model, s.max_model_len,
+                                        CPU_BLOCK_SIZE)
         self.prefill = self._vllm("prefill", s.prefill_port, "kv_producer", s.prefill_cpus)
         self.decode = self._vllm("decode", s.decode_port, "kv_consumer", s.decode_cpus)
         self.proxy: ServiceProcess | None = None

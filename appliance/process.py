@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance import kvbudget
+
 
 class ServiceFailed(RuntimeError):
     """A service exited or did not become healthy in time."""
@@ -140,7 +142,7 @@ def kv_cache_flags(nbytes: int) -> tuple[str, ...]:
     return ("--kv-cache-memory-bytes", str(int(nbytes)))
 
 
-CPU_SERVE_FLAGS = (*CPU_EAGER, *kv_cache_flags(64 << 20))
+CPU_SERVE_FLAGS = (*CPU_EAGER, *kv_cache_flags(kvbudget.FLOOR))
 
 
 def cpu_env(omp_bind: str, host_ip: str = "127.0.0.1") -> dict[str, str]:

@@ -44,10 +44,9 @@ def local_addr(cfg: HostConfig) -> str:
 
 def kv_cache_bytes(cfg: HostConfig) -> int:
     """CPU stack: the KV budget per server, from the config or sized from the model."""
-    if cfg.model.kv_cache_bytes is not None:
-        return cfg.model.kv_cache_bytes
     try:
-        return kvbudget.for_model_dir(cfg.model.path, cfg.model.max_model_len, cfg.block_size)
+        return kvbudget.budget(cfg.model.kv_cache_bytes, cfg.model.path,
+                               cfg.model.max_model_len, cfg.block_size)
     except kvbudget.ModelShapeError as exc:
         raise ConfigError(f"model.kv_cache_bytes: cannot size the KV cache from the model "
                           f"({exc}); set it in the host config") from None
@@ -64,7 +63,6 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
     proxy_args = ["--config", str(out_dir / PROXY_FILE)] if cfg.auth.api_keys_file else []
     return {
         "PD_PROJECT": cfg.compose.project,
-        "PD_STACK": cfg.stack,
         "PD_VLLM_IMAGE": cfg.vllm_image,
         "PD_SLIM_IMAGE": cfg.images.slim,
         "PD_RESTART": cfg.compose.restart,
