@@ -1,15 +1,18 @@
 """Build a small random-weight model with its own tokenizer, fully offline.
 
-`python -m appliance.tinymodel DIR [--size tiny|kvbench|mla]` writes a directory that
+`python -m appliance.tinymodel DIR [--size tiny|kvbench|sliding|mla]` writes a directory that
 `vllm serve DIR` loads with HF_HUB_OFFLINE=1. Everything is derived from fixed seeds and a
 generated training text, so building the same size twice gives byte-identical files.
 
 - tiny: 2 layers, 2 KV heads x head_dim 32 (fast; the parity tests use it).
 - kvbench: 12 layers, 8 KV heads x head_dim 128, so moving KV costs what it does on real
   models (48 KiB of KV per token; 2,000 tokens = 94 MiB) for transfer benchmarks.
+- sliding: 4 layers alternating sliding-window (64 tokens) and full attention, so vLLM
+  keeps two KV-cache groups with their own block tables.
 - mla: a DeepSeek-V2-style model (multi-head latent attention: one 576-wide latent per token
   and layer, no KV heads), 2 dense layers; the latent width is the one vLLM's CPU MLA
-  kernel is built for (kv_lora_rank 512 + rope 64).
+  kernel is built for (kv_lora_rank 512 + rope 64); YaRN rope and float32 weights, so that
+  vLLM's prefill and decode paths give the same greedy tokens (see ModelSpec).
 """
 
 from __future__ import annotations
@@ -49,14 +52,32 @@ class ModelSpec:
     # model just repeats the prompt's last token, and a test could not tell whether D used
     # P's KV or none at all.
     init_std: float = 0.1
-    # "deepseek_v2": MLA; the four widths below apply to it alone.
+    # "deepseek_v2": MLA; the four widths below apply to it alone. "llama": with
+    # sliding_window, a hybrid model (see layer_types).
     arch: str = "qwen3"
+    # Tokens each sliding-window layer attends to (0: none). Layers alternate sliding and
+    # full attention, as in gpt-oss; vLLM then keeps two KV-cache groups.
+    sliding_window: int = 0
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek-V2/V3 ship YaRN rope; vLLM then takes its pure-torch rope path on CPU. With
+    # the default rope, vLLM's CPU rope kernel rotates MLA's strided [tokens, heads, 64]
+    # views wrongly (the same token gets another k_pe alone than inside a batch), so prefill
+    # and decode would disagree and no parity test could pass.
+    rope_yarn_factor: float = 0.0
+    # vLLM serves a checkpoint in its stored dtype. MLA's prefill (SDPA) and decode (the
+    # absorbed latent kernel) round differently in bf16, and this random model's logits are
+    # flat enough that 1 in 25 greedy tokens flips; in float32 the two paths agree.
+    dtype: str = "bfloat16"
 
-    def kv_bytes_per_token(self, elem_size: int = 2) -> int:
+    @property
+    def elem_size(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def kv_bytes_per_token(self) -> int:
+        elem_size = self.elem_size
         if self.arch == "deepseek_v2":  # one latent (plus its rope part) per layer
             return self.num_hidden_layers * (self.kv_lora_rank + self.qk_rope_head_dim) \
                 * elem_size
@@ -69,10 +90,14 @@ SIZES: dict[str, ModelSpec] = {
     "kvbench": ModelSpec("kvbench", num_hidden_layers=12, hidden_size=256,
                          intermediate_size=512, num_attention_heads=8, num_key_value_heads=8,
                          head_dim=128),
+    "sliding": ModelSpec("sliding", num_hidden_layers=4, hidden_size=128, intermediate_size=256,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         arch="llama", sliding_window=64),
     "mla": ModelSpec("mla", num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                      num_attention_heads=4, num_key_value_heads=4, head_dim=64,
                      arch="deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64,
-                     qk_nope_head_dim=32, v_head_dim=32),
+                     qk_nope_head_dim=32, v_head_dim=32, rope_yarn_factor=4.0,
+                     dtype="float32"),
 }
 
 _WORDS = (
@@ -144,7 +169,7 @@ def build(out_dir: Path, size: str = "tiny", force: bool = False) -> Path:
     config, model_cls = _config(spec, vocab, tokenizer)
     torch.manual_seed(spec.seed)
     with torch.no_grad():
-        model = model_cls(config).to(torch.bfloat16)
+        model = model_cls(config).to(getattr(torch, spec.dtype))
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -168,18 +193,33 @@ def _config(spec: ModelSpec, vocab: int, tokenizer: Any) -> tuple[Any, Any]:
         # lm_head.weight) leaves it unloaded and every logit NaN.
         tie_word_embeddings=spec.arch != "deepseek_v2",
         initializer_range=spec.init_std, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype="bfloat16")
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype=spec.dtype)
     if spec.arch == "deepseek_v2":
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         # Every layer dense (first_k_dense_replace = all): the expert fields must still be
         # set, and are never used.
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if spec.rope_yarn_factor:
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": spec.rope_yarn_factor,
+                    "original_max_position_embeddings": int(
+                        spec.max_position_embeddings / spec.rope_yarn_factor),
+                    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
         return DeepseekV2Config(
-            **common, kv_lora_rank=spec.kv_lora_rank, q_lora_rank=None,
+            **common, rope_parameters=rope, kv_lora_rank=spec.kv_lora_rank, q_lora_rank=None,
             qk_rope_head_dim=spec.qk_rope_head_dim, qk_nope_head_dim=spec.qk_nope_head_dim,
             v_head_dim=spec.v_head_dim, first_k_dense_replace=spec.num_hidden_layers,
             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
             moe_intermediate_size=spec.intermediate_size // 4), DeepseekV2ForCausalLM
+    if spec.arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        # vLLM's Llama reads layer_types and sliding_window (Hugging Face's Llama ignores
+        # them; only vLLM serves this model).
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                       for i in range(spec.num_hidden_layers)]
+        return LlamaConfig(**common, head_dim=spec.head_dim, layer_types=layer_types,
+                           sliding_window=spec.sliding_window), LlamaForCausalLM
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     return Qwen3Config(**common, head_dim=spec.head_dim), Qwen3ForCausalLM

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,24 +42,28 @@ def tiny_model() -> Path:
     return tinymodel.build(MODEL_CACHE / "tiny", "tiny")
 
 
-@pytest.fixture(scope="session")
-def plain_server(tiny_model, tmp_path_factory):
-    """One plain vLLM server (no connector) of the tiny model: the parity reference."""
+@contextmanager
+def running_plain_server(model: Path, served_name: str, log_dir: Path,
+                         extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """One plain vLLM server (no connector) of a model on core 0: the parity reference."""
+    from appliance import kvbudget
     from appliance.process import (
         CPU_BLOCK_SIZE,
-        CPU_SERVE_FLAGS,
+        CPU_EAGER,
         ServiceProcess,
         cpu_env,
+        kv_cache_flags,
         vllm_serve_argv,
     )
 
     port = free_port()
-    logs = tmp_path_factory.mktemp("plain")
+    kv_bytes = kvbudget.budget(None, model, 2048, CPU_BLOCK_SIZE)
     proc = ServiceProcess(
-        "plain-vllm",
-        vllm_serve_argv(tiny_model, port, served_model_name="tiny", block_size=CPU_BLOCK_SIZE,
-                        max_model_len=2048, extra=CPU_SERVE_FLAGS),
-        logs / "vllm.log", env=cpu_env("0"), health_url=f"http://127.0.0.1:{port}/health",
+        f"plain-{served_name}",
+        vllm_serve_argv(model, port, served_model_name=served_name, block_size=CPU_BLOCK_SIZE,
+                        max_model_len=2048,
+                        extra=(*CPU_EAGER, *kv_cache_flags(kv_bytes), *extra)),
+        log_dir / "vllm.log", env=cpu_env("0"), health_url=f"http://127.0.0.1:{port}/health",
         cpus=[0],
     )
     proc.start()
@@ -66,3 +72,10 @@ def plain_server(tiny_model, tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_server(tiny_model, tmp_path_factory):
+    """One plain vLLM server of the tiny model: the parity reference."""
+    with running_plain_server(tiny_model, "tiny", tmp_path_factory.mktemp("plain")) as url:
+        yield url

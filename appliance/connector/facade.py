@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from appliance.connector.groups import kv_groups
 from appliance.connector.metadata import PDConnectorMetadata
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.stats import PDConnectorStats
@@ -40,15 +41,15 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.from_kv_transfer_config(vllm_config.kv_transfer_config)
-        if len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("PDConnector supports models with one KV cache group "
-                             f"(this one has {len(kv_cache_config.kv_cache_groups)})")
+        # At start-up, in both roles: a model whose KV cannot be moved is refused here, with
+        # the feature named, never on its first request.
+        groups = kv_groups(kv_cache_config)
         self.scheduler = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             from appliance.connector.scheduler import PDScheduler
 
-            self.scheduler = PDScheduler(self.settings, vllm_config.cache_config.block_size)
+            self.scheduler = PDScheduler(self.settings, groups)
         else:
             from appliance.connector.worker import PDWorker
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 _MAX_ID = 4096  # request, transfer and engine ids are uuids plus prefixes in practice
 _MAX_ITEMS = 1 << 20
+_MAX_GROUPS = 64  # KV-cache groups per model (gpt-oss: 2; Gemma 3: 2; hybrid SSMs: a few)
 RELEASE_PREFIX = "release-"  # a CancelEntry's d_req_id when no decode request is behind it
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -46,14 +47,17 @@ class RegionMsg(msgspec.Struct, array_like=True, frozen=True):
     block_stride: U63
     block_bytes: U63
     num_blocks: U63
+    group: Annotated[int, msgspec.Meta(ge=0, lt=_MAX_GROUPS)] = 0
 
 
 class ReqEntry(msgspec.Struct, array_like=True, frozen=True):
-    """One D request: write P's KV for ``transfer_id`` into D's ``block_ids``."""
+    """One D request: write P's KV for ``transfer_id`` into D's ``block_ids``, one list per
+    KV-cache group (a sliding-window group names only the blocks its window still needs)."""
 
     d_req_id: Id
     transfer_id: Id
-    block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=_MAX_ITEMS)]
+    block_ids: Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=_MAX_ITEMS)]],
+                         msgspec.Meta(max_length=_MAX_GROUPS)]
     # Milliseconds D will still wait when it sends this (0: no deadline). P starts no write
     # after it, so a D that gave up and reused the blocks is never written into.
     deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
@@ -86,8 +90,9 @@ class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=Tru
                 raise MessageError("layout, when sent, must name at least one region")
             regions = layout_from_wire(self.layout)
             limit = min(r.num_blocks for r in regions)
+            groups = max(r.group for r in regions) + 1
         else:
-            limit = None
+            limit = groups = None
         d_ids: set[str] = set()
         transfer_ids: set[str] = set()
         for entry in self.reqs:
@@ -99,10 +104,17 @@ class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=Tru
                 raise MessageError(f"transfer_id {entry.transfer_id!r} appears twice")
             d_ids.add(entry.d_req_id)
             transfer_ids.add(entry.transfer_id)
-            if any(b < 0 for b in entry.block_ids):
-                raise MessageError(f"negative block id for {entry.d_req_id!r}")
-            if limit is not None and any(b >= limit for b in entry.block_ids):
-                raise MessageError(f"block id of {entry.d_req_id!r} beyond D's {limit} blocks")
+            if sum(len(g) for g in entry.block_ids) > _MAX_ITEMS:
+                raise MessageError(f"too many block ids for {entry.d_req_id!r}")
+            for ids in entry.block_ids:
+                if any(b < 0 for b in ids):
+                    raise MessageError(f"negative block id for {entry.d_req_id!r}")
+                if limit is not None and any(b >= limit for b in ids):
+                    raise MessageError(f"block id of {entry.d_req_id!r} beyond D's {limit} "
+                                       "blocks")
+            if groups is not None and entry.block_ids and len(entry.block_ids) != groups:
+                raise MessageError(f"{entry.d_req_id!r} names {len(entry.block_ids)} KV-cache "
+                                   f"groups, the layout {groups}")
 
 
 class CancelEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -154,7 +166,8 @@ class TransferResponse(msgspec.Struct, tag="xresp", omit_defaults=True, frozen=T
 
 
 def layout_to_wire(regions: Iterable[Region]) -> list[RegionMsg]:
-    return [RegionMsg(r.base_addr, r.block_stride, r.block_bytes, r.num_blocks) for r in regions]
+    return [RegionMsg(r.base_addr, r.block_stride, r.block_bytes, r.num_blocks, r.group)
+            for r in regions]
 
 
 def layout_from_wire(layout: Sequence[RegionMsg]) -> list[Region]:
@@ -163,7 +176,8 @@ def layout_from_wire(layout: Sequence[RegionMsg]) -> list[Region]:
     from appliance.connector.plan import LayoutError, Region
 
     try:
-        return [Region(m.base_addr, m.block_stride, m.block_bytes, m.num_blocks) for m in layout]
+        return [Region(m.base_addr, m.block_stride, m.block_bytes, m.num_blocks, m.group)
+                for m in layout]
     except LayoutError as exc:
         raise MessageError(f"bad layout: {exc}") from None
 

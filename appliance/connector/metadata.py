@@ -13,10 +13,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class RecvSpec:
-    """Consumer: pull a request's prompt KV from a producer into these local blocks."""
+    """Consumer: pull a request's prompt KV from a producer into these local blocks (one
+    list per KV-cache group)."""
 
     transfer_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
     remote_engine_id: str
     remote_bootstrap_addr: str
 
@@ -33,9 +34,9 @@ class ReleaseSpec:
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
     # Producer: requests whose prompt KV is complete once this step's forward has run,
-    # req_id -> (transfer_id, block ids). The worker may push right after the forward
-    # (wait_for_save), one scheduler step earlier than the reference (seeds step 26).
-    ready_sends: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    # req_id -> (transfer_id, block ids per KV-cache group). The worker may push right after
+    # the forward (wait_for_save), one scheduler step earlier than the reference (seeds 26).
+    ready_sends: dict[str, tuple[str, list[list[int]]]] = field(default_factory=dict)
     # Producer: requests whose blocks the scheduler now holds for the worker; the worker
     # reports them in finished_sending once their transfer is over (step 32).
     finished_sends: set[str] = field(default_factory=set)

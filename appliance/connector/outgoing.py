@@ -20,7 +20,7 @@ from appliance.connector.transfer import MooncakeTransport, WriteResult
 class Outgoing(Transfer):
     side: str = "send"
     p_req_id: str | None = None
-    block_ids: list[int] | None = None
+    block_ids: list[list[int]] | None = None  # per KV-cache group
     fence: Callable[[], None] | None = None  # waits until the KV is really computed (GPU)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     d_req_id: str | None = None  # set once a decode node asked for this transfer

@@ -45,20 +45,29 @@ class BlockCountError(PlanError):
     """D asks for more blocks than P holds for the request."""
 
 
+# Block ids per KV-cache group: vLLM's hybrid allocator gives every group (full attention,
+# each sliding-window pattern) its own block table over one shared pool of block ids.
+GroupBlocks = Sequence[Sequence[int]]
+
+
 @dataclass(frozen=True, slots=True)
 class Region:
-    """Block ``i`` is ``block_bytes`` long at ``base_addr + i * block_stride``."""
+    """Block ``i`` is ``block_bytes`` long at ``base_addr + i * block_stride``; the region
+    belongs to KV-cache group ``group`` (whose block ids address it)."""
 
     base_addr: int
     block_stride: int
     block_bytes: int
     num_blocks: int
+    group: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_addr < _ADDR_LIMIT:
             raise LayoutError(f"base_addr {self.base_addr:#x} out of range")
         if self.block_bytes <= 0 or self.num_blocks <= 0:
             raise LayoutError(f"empty region: {self}")
+        if self.group < 0:
+            raise LayoutError(f"negative KV-cache group {self.group}")
         if self.num_blocks > 1 and self.block_stride < self.block_bytes:
             raise LayoutError(f"blocks overlap: stride {self.block_stride} < {self.block_bytes}")
         if self.base_addr + self.span[1] > _ADDR_LIMIT:
@@ -111,9 +120,10 @@ class TensorInfo:
         last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
         return self.data_ptr, last * self.elem_size + self.elem_size
 
-    def regions(self, num_blocks: int, block_dim: int | None = None) -> list[Region]:
+    def regions(self, num_blocks: int, block_dim: int | None = None,
+                group: int = 0) -> list[Region]:
         return regions_from_layout(
-            self.data_ptr, self.shape, self.strides, self.elem_size, num_blocks, block_dim
+            self.data_ptr, self.shape, self.strides, self.elem_size, num_blocks, block_dim, group
         )
 
 
@@ -151,6 +161,7 @@ def regions_from_layout(
     elem_size: int,
     num_blocks: int,
     block_dim: int | None = None,
+    group: int = 0,
 ) -> list[Region]:
     """Regions of one KV tensor, from its shape and strides (never from an assumed layout).
 
@@ -221,7 +232,7 @@ def regions_from_layout(
     regions = []
     for index in itertools.product(*(range(shape[d]) for d in outer)):
         offset = sum(i * strides[d] * elem_size for i, d in zip(index, outer, strict=True))
-        regions.append(Region(data_ptr + offset, block_stride, block_bytes, num_blocks))
+        regions.append(Region(data_ptr + offset, block_stride, block_bytes, num_blocks, group))
     return regions
 
 
@@ -354,6 +365,40 @@ def build_descriptors(
     out = Descriptors()  # mixed layouts: region by region
     for s, d, c in zip(src_regions, dst_regions, coalesce, strict=True):
         part = build_descriptors([s], [d], src, dst) if c else _per_block(s, d, src, dst)
+        out.srcs += part.srcs
+        out.dsts += part.dsts
+        out.lengths += part.lengths
+    return out
+
+
+def build_group_descriptors(
+    src_regions: Sequence[Region],
+    dst_regions: Sequence[Region],
+    src_groups: GroupBlocks,
+    dst_groups: GroupBlocks,
+) -> Descriptors:
+    """Descriptors for a request of several KV-cache groups: each region moves its own
+    group's blocks (P's ``src_groups[g]`` into D's ``dst_groups[g]``, right-aligned as in
+    ``pair_blocks``). One group is ``build_descriptors`` itself."""
+    if len(src_groups) != len(dst_groups):
+        raise LayoutMismatchError(f"P has {len(src_groups)} KV-cache groups, D "
+                                  f"{len(dst_groups)}")
+    if len(src_regions) != len(dst_regions):
+        raise LayoutMismatchError(f"P has {len(src_regions)} regions, D has {len(dst_regions)}")
+    groups = sorted({r.group for r in src_regions})
+    for k, (s, d) in enumerate(zip(src_regions, dst_regions, strict=True)):
+        if s.group != d.group:
+            raise LayoutMismatchError(f"region {k}: P's is of group {s.group}, D's {d.group}")
+    if groups and groups[-1] >= len(src_groups):
+        raise LayoutMismatchError(f"regions of group {groups[-1]} but block ids for "
+                                  f"{len(src_groups)} groups")
+    if len(src_groups) == 1:
+        return build_descriptors(src_regions, dst_regions, src_groups[0], dst_groups[0])
+    out = Descriptors()
+    for g in groups:
+        pick = [k for k, r in enumerate(src_regions) if r.group == g]
+        part = build_descriptors([src_regions[k] for k in pick], [dst_regions[k] for k in pick],
+                                 src_groups[g], dst_groups[g])
         out.srcs += part.srcs
         out.dsts += part.dsts
         out.lengths += part.lengths

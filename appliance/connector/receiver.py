@@ -165,7 +165,8 @@ class Receiver:
         msg = m.TransferRequest(
             engine_id=self.settings.engine_id, host=self.host,
             rpc_port=self.transport.rpc_port, layout_id=self.layout_id,
-            reqs=[m.ReqEntry(inc.d_req_id, inc.transfer_id, list(inc.spec.block_ids),
+            reqs=[m.ReqEntry(inc.d_req_id, inc.transfer_id,
+                             [list(g) for g in inc.spec.block_ids],
                              _remaining_ms(inc.deadline))],
             tp_rank=self.tp_rank, tp_size=self.tp_size,
             layout=m.layout_to_wire(self.regions) if include else None)
@@ -306,7 +307,7 @@ class Receiver:
         self.stats.record_recv(ok)
         if ok:
             log.info("received d_req=%s transfer=%s blocks=%d in %.1f ms", inc.d_req_id,
-                     inc.transfer_id, len(inc.spec.block_ids) if inc.spec else 0,
+                     inc.transfer_id, sum(map(len, inc.spec.block_ids)) if inc.spec else 0,
                      (time.monotonic() - inc.created) * 1e3)
         self._report(inc.d_req_id, ok)
 

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from appliance.connector.groups import KVGroup
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
 from appliance.connector.settings import ConnectorSettings
 
@@ -64,9 +65,9 @@ def pull_block_ids(new_blocks: list[int], held: int, covered: int,
 
 
 class PDScheduler:
-    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+    def __init__(self, settings: ConnectorSettings, groups: list[KVGroup]) -> None:
         self.settings = settings
-        self.block_size = block_size
+        self.groups = groups  # one per KV-cache group, in vLLM's order
         self.kv_cache_manager: KVCacheManager | None = None
         # Producer state.
         self._sends: dict[str, _Send] = {}
@@ -120,12 +121,7 @@ class PDScheduler:
         if params.get("do_remote_prefill") and not self.settings.is_producer:
             params["do_remote_prefill"] = False  # one pull per request
             if num_external_tokens > 0:
-                groups = blocks.get_unhashed_block_ids_all_groups()
-                block_ids = list(groups[0]) if groups else []
-                covered = params.get("remote_num_tokens")
-                if covered is not None:
-                    held = len(blocks.get_block_ids()[0]) - len(block_ids)
-                    block_ids = pull_block_ids(block_ids, held, covered, self.block_size)
+                block_ids = self._pull_blocks(blocks, params.get("remote_num_tokens"))
                 self._meta.recvs[request.request_id] = RecvSpec(
                     transfer_id=params["transfer_id"], block_ids=block_ids,
                     remote_engine_id=params["remote_engine_id"],
@@ -208,6 +204,19 @@ class PDScheduler:
 
     # --- helpers ------------------------------------------------------------------------
 
+    def _pull_blocks(self, blocks: KVCacheBlocks, covered: int | None) -> list[list[int]]:
+        """Per KV-cache group, D's blocks that P's KV fills (seeds step 18)."""
+        new = blocks.get_unhashed_block_ids_all_groups()  # null placeholders left out
+        everything = blocks.get_block_ids()
+        out = []
+        for g, group in enumerate(self.groups):
+            ids = list(new[g])
+            if covered is not None:
+                held = len(everything[g]) - len(ids)  # prefix hits and null placeholders
+                ids = pull_block_ids(ids, held, covered, group.block_size)
+            out.append(group.needed(ids))
+        return out
+
     def _mark_ready_sends(self, scheduler_output: SchedulerOutput) -> None:
         """Tell the worker which sends have their whole prompt computed by this step."""
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -226,8 +235,9 @@ class PDScheduler:
             if req.num_computed_tokens + scheduled[req_id] < req.num_prompt_tokens:
                 continue  # chunked prefill: more chunks to come
             assert self.kv_cache_manager is not None, "kv cache manager was not bound"
-            groups = self.kv_cache_manager.get_block_ids(req_id)
-            blocks = list(groups[0])[:_cdiv(req.num_prompt_tokens, self.block_size)]
+            held = self.kv_cache_manager.get_block_ids(req_id)
+            blocks = [g.needed(list(ids)[:_cdiv(req.num_prompt_tokens, g.block_size)])
+                      for g, ids in zip(self.groups, held, strict=True)]
             self._meta.ready_sends[req_id] = (send.transfer_id, blocks)
             send.ready = True
 

@@ -26,7 +26,7 @@ from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
 from appliance.connector import messages as m
 from appliance.connector.outgoing import Outgoing, write
-from appliance.connector.plan import PlanError, Region, build_descriptors, pair_blocks
+from appliance.connector.plan import PlanError, Region, build_group_descriptors
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.state import TransferState
 from appliance.connector.stats import TransferStats
@@ -116,7 +116,7 @@ class Sender:
 
     # --- calls from vLLM's worker thread (via the loop) ------------------------------------
 
-    def on_ready(self, req_id: str, transfer_id: str, block_ids: list[int],
+    def on_ready(self, req_id: str, transfer_id: str, block_ids: list[list[int]],
                  fence: Callable[[], None] | None) -> None:
         """The prompt's KV is computed (once `fence` returns): seeds step 27, one step early."""
         t = self.by_transfer.get(transfer_id)
@@ -136,7 +136,7 @@ class Sender:
                 self.by_req[req_id] = dup
                 return
             t = self.by_transfer[transfer_id] = Outgoing(transfer_id=transfer_id)
-        t.p_req_id, t.block_ids, t.fence = req_id, list(block_ids), fence
+        t.p_req_id, t.block_ids, t.fence = req_id, [list(g) for g in block_ids], fence
         t.deadline = time.monotonic() + self.settings.send_timeout_s
         self.by_req[req_id] = t
         t.ready.set()
@@ -252,9 +252,10 @@ class Sender:
         if (msg.tp_size, msg.tp_rank) != (self.tp_size, self.tp_rank):
             problem = (f"decode tp {msg.tp_rank}/{msg.tp_size} cannot pair with prefill tp "
                        f"{self.tp_rank}/{self.tp_size}")
-        elif [r.block_bytes for r in dst_regions] != [r.block_bytes for r in self.regions]:
+        elif ([(r.block_bytes, r.group) for r in dst_regions]
+              != [(r.block_bytes, r.group) for r in self.regions]):
             problem = (f"KV layouts differ: decode has {len(dst_regions)} regions, prefill "
-                       f"{len(self.regions)}, or their block sizes differ")
+                       f"{len(self.regions)}, or their block sizes or KV-cache groups differ")
         if problem:
             self.stats.record_failure()
             log.warning("rejected transfer request from %s: %s", msg.engine_id, problem)
@@ -295,7 +296,7 @@ class Sender:
             return False, f"transfer_id {tid} already requested by {t.d_req_id}"
         t.d_req_id = d_req
         t.write_by = write_by  # no batch of its write starts later
-        if not entry.block_ids:  # D does not need the KV (aborted, or a local cache hit)
+        if not any(entry.block_ids):  # D needs no KV (aborted, or a local cache hit)
             if t.state is TransferState.WAITING_FOR_INPUT:
                 t.advance(TransferState.SUCCESS, p_req=t.p_req_id, d_req=d_req, released=True)
             self._settle(t)
@@ -314,8 +315,8 @@ class Sender:
             return False, t.error or "deadline"
         t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
         try:
-            src, dst = pair_blocks(t.block_ids, list(entry.block_ids))
-            descs = build_descriptors(self.regions, dst_regions, src, dst)
+            descs = build_group_descriptors(self.regions, dst_regions, t.block_ids,
+                                            entry.block_ids)
             fence = t.fence
             result = await asyncio.get_running_loop().run_in_executor(
                 self._pool, write, self.transport, fence, session, descs,
@@ -335,7 +336,8 @@ class Sender:
         self.stats.record_transfer(result.nbytes, result.descriptors, result.seconds)
         t.advance(TransferState.SUCCESS)
         log.info("sent p_req=%s d_req=%s transfer=%s blocks=%d bytes=%d descs=%d in %.1f ms "
-                 "(%.2f GB/s)", t.p_req_id, d_req, tid, len(src), result.nbytes,
+                 "(%.2f GB/s)", t.p_req_id, d_req, tid, sum(map(len, entry.block_ids)),
+                 result.nbytes,
                  result.descriptors, result.seconds * 1e3, result.gbps)
         self._settle(t)
         return True, ""

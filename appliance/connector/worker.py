@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from appliance.connector.cpu_features import enable_amx
+from appliance.connector.groups import layer_groups
 from appliance.connector.loop import LoopThread
 from appliance.connector.metadata import PDConnectorMetadata
 from appliance.connector.plan import Region, TensorInfo, registration_spans
@@ -49,16 +50,18 @@ def block_major(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, in
     return tensor, None
 
 
-def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> tuple[list[Region],
-                                                                            list[TensorInfo]]:
+def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
+               group_of: dict[str, int] | None = None) -> tuple[list[Region], list[TensorInfo]]:
     """Regions of every layer's KV cache, in layer order, from their real shapes and
-    strides (never from an assumed layout)."""
+    strides (never from an assumed layout), each tagged with its layer's KV-cache group.
+    With vLLM's hybrid allocator layers of different groups share one tensor: their regions
+    overlay, and each group's own block ids keep them apart."""
     regions: list[Region] = []
     infos: list[TensorInfo] = []
     for name in sorted(kv_caches, key=layer_order):
         tensor, block_dim = block_major(kv_caches[name], num_blocks)
         info = TensorInfo.from_tensor(tensor)
-        regions.extend(info.regions(num_blocks, block_dim))
+        regions.extend(info.regions(num_blocks, block_dim, (group_of or {}).get(name, 0)))
         infos.append(info)
     return regions, infos
 
@@ -114,7 +117,7 @@ def thread_binder(device: Any) -> Callable[[], None] | None:
 
 class ReadySends:
     """Prompts whose KV is computed (or is being computed by this step's forward) and that
-    have not been handed to the sender yet: req_id -> (transfer_id, block_ids).
+    have not been handed to the sender yet: req_id -> (transfer_id, block ids per group).
 
     vLLM's worker thread adds and takes; on a CPU host a timer on the side-channel loop may
     take too, hence the lock.
@@ -122,9 +125,9 @@ class ReadySends:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: dict[str, tuple[str, list[int]]] = {}
+        self._items: dict[str, tuple[str, list[list[int]]]] = {}
 
-    def add(self, ready: dict[str, tuple[str, list[int]]]) -> None:
+    def add(self, ready: dict[str, tuple[str, list[list[int]]]]) -> None:
         with self._lock:
             self._items.update(ready)
 
@@ -132,7 +135,7 @@ class ReadySends:
         with self._lock:
             return set(self._items)
 
-    def take(self, only: set[str] | None = None) -> list[tuple[str, str, list[int]]]:
+    def take(self, only: set[str] | None = None) -> list[tuple[str, str, list[list[int]]]]:
         """Remove and return (req_id, transfer_id, block_ids), all of them or those in only."""
         with self._lock:
             picked = [r for r in self._items if only is None or r in only]
@@ -157,6 +160,7 @@ class PDWorker:
         self.tp_size = get_tensor_model_parallel_world_size()
         self.dp_rank = dp_rank_of(vllm_config.parallel_config)
         self.num_blocks = int(kv_cache_config.num_blocks)
+        self.group_of = layer_groups(kv_cache_config)
         self.host = settings.resolved_host()
         self.stats = TransferStats()
         self.transport = MooncakeTransport()
@@ -170,13 +174,14 @@ class PDWorker:
                  self.tp_size, settings.protocol, self.transport.session_id)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        regions, infos = kv_regions(kv_caches, self.num_blocks)
+        regions, infos = kv_regions(kv_caches, self.num_blocks, self.group_of)
         spans = registration_spans(infos)
         self.transport.register(spans)
         self._device = next(iter(kv_caches.values())).device
-        log.info("registered %d layers as %d regions in %d spans (%.1f MiB), block %d B",
-                 len(infos), len(regions), len(spans), sum(n for _, n in spans) / 2**20,
-                 regions[0].block_bytes if regions else 0)
+        log.info("registered %d layers as %d regions of %d KV-cache groups in %d spans "
+                 "(%.1f MiB), block %d B", len(infos), len(regions),
+                 len({r.group for r in regions}), len(spans),
+                 sum(n for _, n in spans) / 2**20, regions[0].block_bytes if regions else 0)
         if self.settings.is_producer:
             self.side = self.loop.run(self._make_sender(regions), timeout=30)
             log.info("side channel %s", self.side.side_channel_addr)
@@ -286,7 +291,7 @@ class PDWorker:
     def _hand_over_ids(self, ids: set[str]) -> None:
         self._hand_over(self._ready.take(ids))
 
-    def _hand_over(self, items: list[tuple[str, str, list[int]]]) -> None:
+    def _hand_over(self, items: list[tuple[str, str, list[list[int]]]]) -> None:
         if not items or self.side is None:
             return
         fence = compute_fence(self._device)

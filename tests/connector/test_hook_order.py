@@ -49,7 +49,7 @@ class Recorder:
             self.calls.append(call)
 
     def on_ready(self, req_id, transfer_id, block_ids, fence) -> None:
-        self._add("ready", req_id, tuple(block_ids))
+        self._add("ready", req_id, tuple(block_ids[0]))
 
     def on_preempted(self, req_ids) -> None:
         self._add("preempted", *sorted(req_ids))
@@ -138,7 +138,7 @@ def test_producer_in_each_runners_order(runner, delay_ms) -> None:
     step = Step(c)
     try:
         seen = step.run(with_forward, PDConnectorMetadata(
-            ready_sends={"r1": ("x1", [1, 2]), "r3": ("x3", [3])}))
+            ready_sends={"r1": ("x1", [[1, 2]]), "r3": ("x3", [[3]])}))
         assert step.at_forward[-1] == ()  # their KV is being computed by this forward
         at_once = [("ready", "r1", (1, 2)), ("ready", "r3", (3,))]
         assert seen == (at_once if delay_ms == 0 else [])
@@ -154,7 +154,7 @@ def test_producer_in_each_runners_order(runner, delay_ms) -> None:
             assert seen == [("preempted", "r3"), ("ready", "r1", (1, 2)), ("finished", "r1")]
 
         # r3 is recomputed into new blocks; an empty step follows, then it finishes.
-        step.run(with_forward, PDConnectorMetadata(ready_sends={"r3": ("x3", [7])}))
+        step.run(with_forward, PDConnectorMetadata(ready_sends={"r3": ("x3", [[7]])}))
         step.run(no_forward, PDConnectorMetadata())
         seen = step.run(no_forward, PDConnectorMetadata(finished_sends={"r3"}))
         assert seen[-2:] == [("ready", "r3", (7,)), ("finished", "r3")]
@@ -170,7 +170,7 @@ def test_preemption_is_handled_once_per_step(runner) -> None:
     c = connector("producer", cpu_push_delay_ms=60_000)
     step = Step(c)
     try:
-        step.run(runner[0], PDConnectorMetadata(ready_sends={"r1": ("x1", [1])}))
+        step.run(runner[0], PDConnectorMetadata(ready_sends={"r1": ("x1", [[1]])}))
         seen = step.run(runner[0], PDConnectorMetadata(preempted_sends={"r1"}))
         assert seen == [("preempted", "r1")]
     finally:
@@ -181,7 +181,7 @@ def test_reference_timing_hands_over_at_finish_in_each_order(runner) -> None:
     c = connector("producer", early_push=False)
     step = Step(c)
     try:
-        step.run(runner[0], PDConnectorMetadata(ready_sends={"r1": ("x1", [4])}))
+        step.run(runner[0], PDConnectorMetadata(ready_sends={"r1": ("x1", [[4]])}))
         assert step.run(runner[1], PDConnectorMetadata()) == []
         seen = step.run(runner[1], PDConnectorMetadata(finished_sends={"r1"}))
         assert seen == [("ready", "r1", (4,)), ("finished", "r1")]
@@ -193,7 +193,7 @@ def test_consumer_in_each_runners_order(runner) -> None:
     c = connector("consumer")
     step = Step(c)
     try:
-        spec = RecvSpec("x1", [5, 6], "p", "http://127.0.0.1:1")
+        spec = RecvSpec("x1", [[5, 6]], "p", "http://127.0.0.1:1")
         seen = step.run(runner[0], PDConnectorMetadata(recvs={"d1": spec}))
         assert seen == [("recv", "d1")]
         seen = step.run(runner[1], PDConnectorMetadata(cancelled_recvs={"d1": "x1"}))

@@ -35,7 +35,7 @@ def request(**kw) -> TransferRequest:
         host="10.0.0.2",
         rpc_port=15432,
         layout_id=0x5D3_0000_0000_00B1,
-        reqs=[ReqEntry("cmpl-d-1", "xfer-3f2a", list(range(512, 575)))],
+        reqs=[ReqEntry("cmpl-d-1", "xfer-3f2a", [list(range(512, 575))])],
     )
     fields.update(kw)
     return TransferRequest(**fields)
@@ -62,7 +62,7 @@ def test_request_round_trip_with_layout() -> None:
 
 
 def test_request_round_trip_without_layout_and_many_requests() -> None:
-    reqs = [ReqEntry(f"d{i}", f"xfer-{i}", [i, i + 1]) for i in range(100)]
+    reqs = [ReqEntry(f"d{i}", f"xfer-{i}", [[i, i + 1]]) for i in range(100)]
     msg = request(reqs=reqs)
     assert decode_request(encode_request(msg)) == msg
 
@@ -190,13 +190,13 @@ def test_message_error_is_a_value_error() -> None:
 @pytest.mark.parametrize(
     "msg",
     [
-        request(reqs=[ReqEntry("d1", "x", [1]), ReqEntry("d2", "x", [2])]),
-        request(reqs=[ReqEntry("d1", "x", [1]), ReqEntry("d1", "y", [2])]),
-        request(reqs=[ReqEntry("d1", "", [1])]),
-        request(reqs=[ReqEntry("d1", "x", [-4])]),
+        request(reqs=[ReqEntry("d1", "x", [[1]]), ReqEntry("d2", "x", [[2]])]),
+        request(reqs=[ReqEntry("d1", "x", [[1]]), ReqEntry("d1", "y", [[2]])]),
+        request(reqs=[ReqEntry("d1", "", [[1]])]),
+        request(reqs=[ReqEntry("d1", "x", [[-4]])]),
         request(tp_rank=3, tp_size=2),
         request(layout=[]),
-        request(layout=[RegionMsg(0, 10, 10, 4)], reqs=[ReqEntry("d1", "x", [4])]),
+        request(layout=[RegionMsg(0, 10, 10, 4)], reqs=[ReqEntry("d1", "x", [[4]])]),
     ],
 )
 def test_encode_refuses_invalid_requests(msg: TransferRequest) -> None:

@@ -69,7 +69,7 @@ async def test_write_held_past_the_deadline_is_never_started(pair):
     """P's write waits (its fence) past D's deadline: D keeps its blocks until P answers,
     and P, once free, writes nothing: the deadline it was sent has passed."""
     fence_open = threading.Event()
-    pair.sender.on_ready("p1", "x1", [1, 2], lambda: fence_open.wait(10))
+    pair.sender.on_ready("p1", "x1", [[1, 2]], lambda: fence_open.wait(10))
     start = time.monotonic()
     pair.receiver.on_recv("d1", pair.spec("x1", [7, 8]))
     await wait_state(pair, "p1", "transferring")
@@ -87,7 +87,7 @@ async def test_blocks_go_back_at_the_bound_and_p_writes_nothing_after(pair):
     """P never answers in time (its write is held for longer than D's hold bound): D gives
     the blocks back at the bound, and the write P starts after that puts nothing there."""
     fence_open = threading.Event()
-    pair.sender.on_ready("p1", "x2", [1, 2], lambda: fence_open.wait(10))
+    pair.sender.on_ready("p1", "x2", [[1, 2]], lambda: fence_open.wait(10))
     start = time.monotonic()
     pair.receiver.on_recv("d1", pair.spec("x2", [7, 8]))
     await wait_state(pair, "p1", "transferring")
@@ -106,7 +106,7 @@ async def test_cancel_stops_a_write_under_way_before_its_next_batch(pair):
     slow = SlowEngine(pair.p.transport._engine, 0.15)  # noqa: SLF001
     pair.p.transport._engine = slow  # noqa: SLF001
     blocks = list(range(1, 9))  # 4 layers x 8 scattered runs: many one-descriptor batches
-    pair.sender.on_ready("p1", "x3", blocks, None)
+    pair.sender.on_ready("p1", "x3", [blocks], None)
     pair.receiver.on_recv("d1", pair.spec("x3", [40, 30, 20, 10, 41, 31, 21, 11]))
     await wait_state(pair, "p1", "transferring")
     await asyncio.sleep(0.4)
@@ -131,7 +131,7 @@ async def test_a_write_that_completes_after_the_deadline_is_still_used(bootstrap
         slow = SlowEngine(pair.p.transport._engine, 1.5)  # noqa: SLF001
         pair.p.transport._engine = slow  # noqa: SLF001
         start = time.monotonic()
-        pair.sender.on_ready("p1", "x4", [1, 2], None)
+        pair.sender.on_ready("p1", "x4", [[1, 2]], None)
         pair.receiver.on_recv("d1", pair.spec("x4", [9, 10]))
         at, done, failed = await reported_at(pair)
         assert len(slow.starts) == 1 and slow.starts[0] - start < 0.5

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from appliance.connector.groups import KVGroup
 from appliance.connector.scheduler import PDScheduler, pull_block_ids
 from appliance.connector.settings import ConnectorSettings
 
@@ -56,7 +57,7 @@ class Manager:
 
 def scheduler(role: str) -> PDScheduler:
     return PDScheduler(ConnectorSettings(engine_id="e0", role=role,
-                                         bootstrap_addr="http://127.0.0.1:1"), BS)
+                                         bootstrap_addr="http://127.0.0.1:1"), [KVGroup(BS)])
 
 
 def pull_params(**extra: Any) -> dict[str, Any]:
@@ -83,7 +84,7 @@ def test_decode_pulls_only_the_blocks_the_prefill_holds():
     assert s.get_num_new_matched_tokens(req, 0) == (49, True)
     s.update_state_after_alloc(req, Blocks([10, 11, 12, 13]), 49)
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
-    assert meta.recvs["d1"].block_ids == [10, 11, 12]
+    assert meta.recvs["d1"].block_ids == [[10, 11, 12]]
 
 
 def test_decode_without_remote_num_tokens_pulls_every_prompt_block():
@@ -92,7 +93,7 @@ def test_decode_without_remote_num_tokens_pulls_every_prompt_block():
     s.get_num_new_matched_tokens(req, 0)
     s.update_state_after_alloc(req, Blocks([10, 11, 12, 13]), 49)
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
-    assert meta.recvs["d1"].block_ids == [10, 11, 12, 13]
+    assert meta.recvs["d1"].block_ids == [[10, 11, 12, 13]]
 
 
 @pytest.mark.parametrize("bad", [0, -3, "48", 1.5, True, 50, 1, 47, 49])
@@ -119,7 +120,7 @@ def test_remote_num_tokens_other_than_prompt_less_one_is_refused(bad, caplog):
 
 def test_refused_params_at_a_foreign_bootstrap_release_nothing():
     s = PDScheduler(ConnectorSettings(engine_id="e0", role="consumer",
-                                      allowed_bootstrap_addrs=("http://10.0.0.1:8998",)), BS)
+                                      allowed_bootstrap_addrs=("http://10.0.0.1:8998",)), [KVGroup(BS)])
     req = Req("d1", list(range(49)), pull_params(remote_num_tokens=3))
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).releases == []
@@ -131,7 +132,7 @@ def prefill_done(s: PDScheduler, req: Req) -> None:
     s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
     meta = s.build_connector_meta(SimpleNamespace(
         num_scheduled_tokens={req.request_id: req.num_prompt_tokens}))
-    assert meta.ready_sends[req.request_id] == ("x1", [1, 2, 3])
+    assert meta.ready_sends[req.request_id] == ("x1", [[1, 2, 3]])
 
 
 @pytest.mark.parametrize(("send_on_stop", "status", "released"), [
@@ -209,7 +210,7 @@ def test_prefill_preempted_after_ready_is_marked_ready_again_with_new_blocks():
     s.kv_cache_manager = Manager({"p1": [7, 8, 9]})
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p1": 40},
                                                   preempted_req_ids=set()))
-    assert meta.ready_sends == {"p1": ("x1", [7, 8, 9])} and meta.preempted_sends == set()
+    assert meta.ready_sends == {"p1": ("x1", [[7, 8, 9]])} and meta.preempted_sends == set()
 
 
 def test_prefill_preempted_before_ready_needs_nothing():

@@ -118,7 +118,7 @@ class Pair:
         await wait_registered(self.url)
 
     def spec(self, transfer_id: str, blocks: list[int]) -> RecvSpec:
-        return RecvSpec(transfer_id, blocks, "p0", self.url)
+        return RecvSpec(transfer_id, [blocks], "p0", self.url)
 
     async def results(self, timeout: float = 10) -> tuple[set[str], set[str]]:
         assert self.receiver is not None
@@ -171,7 +171,7 @@ async def pair(bootstrap_url):
 
 
 async def test_push_after_prefill_then_free(pair):
-    pair.sender.on_ready("p1", "x1", [3, 4, 5, 9], None)
+    pair.sender.on_ready("p1", "x1", [[3, 4, 5, 9]], None)
     pair.receiver.on_recv("d1", pair.spec("x1", [10, 11, 12, 40]))
     assert await pair.results() == ({"d1"}, set())
     pair.assert_copied([3, 4, 5, 9], [10, 11, 12, 40])
@@ -189,7 +189,7 @@ async def test_mla_latent_blocks_arrive_byte_for_byte(bootstrap_url):
     pr = Pair(bootstrap_url, make=make_mla_caches)
     await pr.start()
     try:
-        pr.sender.on_ready("p1", "x1", [0, 7, 8, 63], None)
+        pr.sender.on_ready("p1", "x1", [[0, 7, 8, 63]], None)
         pr.receiver.on_recv("d1", pr.spec("x1", [5, 6, 40, 62]))
         assert await pr.results() == ({"d1"}, set())
         pr.assert_copied([0, 7, 8, 63], [5, 6, 40, 62])
@@ -203,13 +203,13 @@ async def test_decode_first_then_prefill(pair):
     pair.receiver.on_recv("d1", pair.spec("x1", [7, 8]))
     await asyncio.sleep(0.3)  # D's metadata waits on P's side (seeds step 22)
     pair.sender.on_finished  # noqa: B018 - nothing to report yet
-    pair.sender.on_ready("p1", "x1", [1, 2], None)
+    pair.sender.on_ready("p1", "x1", [[1, 2]], None)
     assert await pair.results() == ({"d1"}, set())
     pair.assert_copied([1, 2], [7, 8])
 
 
 async def test_decode_prefix_hit_gets_the_last_blocks(pair):
-    pair.sender.on_ready("p1", "x1", [1, 2, 3, 4], None)
+    pair.sender.on_ready("p1", "x1", [[1, 2, 3, 4]], None)
     pair.receiver.on_recv("d1", pair.spec("x1", [20, 21]))
     assert await pair.results() == ({"d1"}, set())
     pair.assert_copied([3, 4], [20, 21])
@@ -234,14 +234,14 @@ async def test_aborted_prefill_fails_later_decode_at_once(pair):
 
 
 async def test_transfer_id_seen_twice_is_rejected(pair):
-    pair.sender.on_ready("p1", "x1", [1], None)
+    pair.sender.on_ready("p1", "x1", [[1]], None)
     pair.receiver.on_recv("d1", pair.spec("x1", [2]))
     assert await pair.results() == ({"d1"}, set())
     pair.receiver.on_recv("d2", pair.spec("x1", [30]))
     assert await pair.results() == ({"d2"}, {"d2"})
     pair.assert_untouched({2})
     # A second prefill request reusing the id is refused too, and still freed.
-    pair.sender.on_ready("p2", "x1", [4], None)
+    pair.sender.on_ready("p2", "x1", [[4]], None)
     pair.sender.on_finished({"p1", "p2"})
     assert await pair.finished_sending() == {"p1", "p2"}
 
@@ -249,8 +249,8 @@ async def test_transfer_id_seen_twice_is_rejected(pair):
 async def test_second_prefill_with_a_live_transfer_id_leaves_the_first_intact(pair):
     """A client's kv_transfer_params reused an id while the first prefill's KV still waits
     for its decode node: the second is refused and freed; the first is still sent, then freed."""
-    pair.sender.on_ready("p1", "x1", [1, 2], None)
-    pair.sender.on_ready("p2", "x1", [4], None)
+    pair.sender.on_ready("p1", "x1", [[1, 2]], None)
+    pair.sender.on_ready("p2", "x1", [[4]], None)
     pair.sender.on_finished({"p2"})
     assert await pair.finished_sending() == {"p2"}
     pair.sender.on_finished({"p1"})
@@ -261,12 +261,12 @@ async def test_second_prefill_with_a_live_transfer_id_leaves_the_first_intact(pa
 
 
 async def test_prefill_preempted_before_the_pull_sends_the_recomputed_blocks(pair):
-    pair.sender.on_ready("p1", "x1", [1, 2], None)
+    pair.sender.on_ready("p1", "x1", [[1, 2]], None)
     pair.sender.on_preempted({"p1"})  # blocks 1, 2 freed; the prompt is recomputed
     pair.receiver.on_recv("d1", pair.spec("x1", [7, 8]))
     await asyncio.sleep(0.3)
     assert pair.receiver.take_results() == (set(), set())  # waits for the new blocks
-    pair.sender.on_ready("p1", "x1", [3, 4], None)
+    pair.sender.on_ready("p1", "x1", [[3, 4]], None)
     assert await pair.results() == ({"d1"}, set())
     pair.assert_copied([3, 4], [7, 8])
     pair.sender.on_finished({"p1"})
@@ -277,7 +277,7 @@ async def test_prefill_preempted_during_the_write_fails_the_pull(pair):
     """The write read blocks that were freed under it: D must not use what arrived."""
     import threading
     fence_open = threading.Event()
-    pair.sender.on_ready("p1", "x1", [1, 2], lambda: fence_open.wait(5))
+    pair.sender.on_ready("p1", "x1", [[1, 2]], lambda: fence_open.wait(5))
     pair.receiver.on_recv("d1", pair.spec("x1", [7, 8]))
     t = pair.sender.by_req["p1"]
     for _ in range(100):
@@ -288,7 +288,7 @@ async def test_prefill_preempted_during_the_write_fails_the_pull(pair):
     fence_open.set()
     assert await pair.results() == ({"d1"}, {"d1"})
     # The recomputed prefill finds its transfer over; its blocks are still freed once.
-    pair.sender.on_ready("p1", "x1", [3, 4], None)
+    pair.sender.on_ready("p1", "x1", [[3, 4]], None)
     pair.sender.on_finished({"p1"})
     assert await pair.finished_sending() == {"p1"}
 
@@ -302,12 +302,12 @@ async def test_receive_deadline_without_prefill(pair):
 
 
 async def test_unknown_engine_fails_fast(pair):
-    pair.receiver.on_recv("d1", RecvSpec("x1", [5], "no-such-engine", pair.url))
+    pair.receiver.on_recv("d1", RecvSpec("x1", [[5]], "no-such-engine", pair.url))
     assert await pair.results(2) == ({"d1"}, {"d1"})
 
 
 async def test_unfetched_kv_is_freed_after_send_timeout(pair):
-    pair.sender.on_ready("p1", "x9", [1, 2], None)
+    pair.sender.on_ready("p1", "x9", [[1, 2]], None)
     pair.sender.on_finished({"p1"})
     assert pair.sender.take_finished() == set()
     assert await pair.finished_sending(6) == {"p1"}
@@ -321,7 +321,7 @@ async def test_cancel_while_waiting_frees_both_sides(pair):
     done, _ = await pair.results(2)
     assert done == {"d1"}
     # The prefill finishing later finds the transfer over and frees its blocks at once.
-    pair.sender.on_ready("p1", "x5", [1, 2], None)
+    pair.sender.on_ready("p1", "x5", [[1, 2]], None)
     pair.sender.on_finished({"p1"})
     assert await pair.finished_sending(2) == {"p1"}
     pair.assert_untouched()
@@ -330,7 +330,7 @@ async def test_cancel_while_waiting_frees_both_sides(pair):
 async def test_cancel_while_looking_up_the_producer_still_frees_prefill(pair):
     """Aborted before D knew P's address: D's blocks are free at once, and P, which holds
     the KV for this transfer, is told once the lookup ends (not after send_timeout_s)."""
-    pair.sender.on_ready("p1", "x8", [1, 2], None)
+    pair.sender.on_ready("p1", "x8", [[1, 2]], None)
     pair.sender.on_finished({"p1"})
     pair.receiver.on_recv("d1", pair.spec("x8", [5, 6]))
     pair.receiver.on_cancel("d1", "x8")  # before the lookup task has even run
@@ -342,7 +342,7 @@ async def test_cancel_while_looking_up_the_producer_still_frees_prefill(pair):
 async def test_cancel_after_the_pull_was_reported_reports_nothing_more(pair):
     """The abort crossed the finished pull's report: that report frees D's blocks, and a
     second one would crash vLLM's scheduler (it asserts the request still exists)."""
-    pair.sender.on_ready("p1", "x3", [1, 2], None)
+    pair.sender.on_ready("p1", "x3", [[1, 2]], None)
     pair.receiver.on_recv("d1", pair.spec("x3", [5, 6]))
     assert await pair.results() == ({"d1"}, set())
     pair.receiver.on_cancel("d1", "x3")
@@ -351,7 +351,7 @@ async def test_cancel_after_the_pull_was_reported_reports_nothing_more(pair):
 
 
 async def test_release_frees_prefill_blocks(pair):
-    pair.sender.on_ready("p1", "x6", [1, 2], None)
+    pair.sender.on_ready("p1", "x6", [[1, 2]], None)
     pair.sender.on_finished({"p1"})
     pair.receiver.on_release(ReleaseSpec("x6", "p0", pair.url))
     assert await pair.finished_sending(2) == {"p1"}
@@ -365,13 +365,13 @@ async def test_release_leaves_a_pull_already_waiting_alone(pair):
     await asyncio.sleep(0.3)  # D's request is at P, waiting for the prefill
     pair.receiver.on_release(ReleaseSpec("x4", "p0", pair.url))
     await asyncio.sleep(0.3)
-    pair.sender.on_ready("p1", "x4", [1, 2], None)
+    pair.sender.on_ready("p1", "x4", [[1, 2]], None)
     assert await pair.results() == ({"d1"}, set())
     pair.assert_copied([1, 2], [7, 8])
 
 
 async def test_released_prefill_frees_blocks_and_refuses_a_late_decode(pair):
-    pair.sender.on_ready("p1", "x7", [1, 2], None)
+    pair.sender.on_ready("p1", "x7", [[1, 2]], None)
     pair.sender.on_finished({"p1"})
     pair.sender.on_released({"x7"})
     assert pair.sender.take_finished() == {"p1"}  # at once, not after send_timeout_s
@@ -418,14 +418,14 @@ async def test_undecodable_bytes_get_error(pair, dealer):
 
 
 async def test_blocks_outside_decode_cache_get_error_and_nothing_written(pair, dealer):
-    pair.sender.on_ready("p1", "x1", [1, 2], None)
-    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [3, BLOCKS])],
+    pair.sender.on_ready("p1", "x1", [[1, 2]], None)
+    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [[3, BLOCKS]])],
                                                      layout=False, layout_id=7)))
     assert resp.status is m.Status.LAYOUT_MISS  # first contact without a layout
     # With a layout: ids beyond D's declared cache are refused before anything moves.
     with pytest.raises(m.MessageError):
-        m.encode_request(request(pair, [("d1", "x1", [3, BLOCKS])]))
-    raw = msgspec.msgpack.encode(request(pair, [("d1", "x1", [3, BLOCKS])]))
+        m.encode_request(request(pair, [("d1", "x1", [[3, BLOCKS]])]))
+    raw = msgspec.msgpack.encode(request(pair, [("d1", "x1", [[3, BLOCKS]])]))
     resp = await dealer.ask(raw)
     assert resp.status is m.Status.ERROR and "beyond" in resp.message
     pair.assert_untouched()
@@ -433,14 +433,14 @@ async def test_blocks_outside_decode_cache_get_error_and_nothing_written(pair, d
     # write past it fails and the request is reported failed.
     fake_regions = [Region(r.base_addr, r.block_stride, r.block_bytes, BLOCKS * 4)
                     for r in pair.d.regions]
-    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [3, BLOCKS + 5])],
+    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [[3, BLOCKS + 5]])],
                                                      regions=fake_regions, layout_id=8)))
     assert resp.status is m.Status.FINISH and "d1" in resp.failed
 
 
 async def test_blocks_outside_prefill_cache_get_error(pair, dealer):
-    pair.sender.on_ready("p1", "x1", [1, BLOCKS + 3], None)
-    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [3, 4])])))
+    pair.sender.on_ready("p1", "x1", [[1, BLOCKS + 3]], None)
+    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [[3, 4]])])))
     assert resp.status is m.Status.FINISH and "P" in resp.failed["d1"]
     pair.assert_untouched()
 
@@ -448,13 +448,13 @@ async def test_blocks_outside_prefill_cache_get_error(pair, dealer):
 async def test_mismatched_layout_is_rejected(pair, dealer):
     wrong = [Region(r.base_addr, r.block_stride, r.block_bytes // 2, r.num_blocks)
              for r in pair.d.regions]
-    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [3])],
+    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [[3]])],
                                                      regions=wrong, layout_id=9)))
     assert resp.status is m.Status.ERROR and "layouts differ" in resp.message
 
 
 async def test_tp_mismatch_is_rejected(pair, dealer):
-    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [3])], tp_rank=1,
+    resp = await dealer.ask(m.encode_request(request(pair, [("d1", "x1", [[3]])], tp_rank=1,
                                                      tp_size=2, layout_id=10)))
     assert resp.status is m.Status.ERROR and "tp" in resp.message
 
@@ -463,9 +463,9 @@ async def test_no_write_after_the_decode_deadline(pair, dealer):
     """P starts no write once D's deadline (sent with the request) has passed: D may have
     given up and reused those blocks."""
     ask = asyncio.create_task(dealer.ask(m.encode_request(request(
-        pair, [("d1", "x7", [3, 4], 300)], layout_id=11))))
+        pair, [("d1", "x7", [[3, 4]], 300)], layout_id=11))))
     await asyncio.sleep(0.6)
-    pair.sender.on_ready("p1", "x7", [1, 2], None)
+    pair.sender.on_ready("p1", "x7", [[1, 2]], None)
     resp = await ask
     assert "deadline" in resp.failed["d1"]
     pair.assert_untouched()
@@ -488,14 +488,14 @@ async def test_tensor_parallel_rank_i_sends_to_rank_i(bootstrap_url):
     try:
         await senders[0].start()
         await wait_registered(bootstrap_url, 0)
-        receivers[1].on_recv("d0", RecvSpec("x0", [1], "p0", bootstrap_url))  # rank 1 not up
+        receivers[1].on_recv("d0", RecvSpec("x0", [[1]], "p0", bootstrap_url))  # rank 1 not up
         assert await receiver_results(receivers[1]) == ({"d0"}, {"d0"})
         await senders[1].start()
         await wait_registered(bootstrap_url, 1)
         # D's rank 1 must look again, not trust its first answer
         for r in range(2):
-            receivers[r].on_recv("d1", RecvSpec("x1", [10, 11], "p0", bootstrap_url))
-            senders[r].on_ready("p1", "x1", [3, 4], None)
+            receivers[r].on_recv("d1", RecvSpec("x1", [[10, 11]], "p0", bootstrap_url))
+            senders[r].on_ready("p1", "x1", [[3, 4]], None)
         for r in range(2):
             assert await receiver_results(receivers[r]) == ({"d1"}, set()), r
             for layer in range(LAYERS):

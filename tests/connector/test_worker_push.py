@@ -69,7 +69,7 @@ def calls(w: PDWorker, settle: float = 0.05) -> list[tuple[str, str]]:
 
 
 def test_idle_engine_pushes_at_the_next_step(worker) -> None:
-    step(worker, ready_sends={"r1": ("x1", [1, 2])})
+    step(worker, ready_sends={"r1": ("x1", [[1, 2]])})
     assert calls(worker) == []  # not during this step's sampling and output
     step(worker, finished_sends={"r1"})  # the next step: handed over first, then finished
     assert calls(worker) == [("ready", "r1"), ("finished", "r1")]
@@ -77,7 +77,7 @@ def test_idle_engine_pushes_at_the_next_step(worker) -> None:
 
 
 def test_busy_engine_pushes_after_the_delay(worker) -> None:
-    step(worker, ready_sends={"r1": ("x1", [1])})
+    step(worker, ready_sends={"r1": ("x1", [[1]])})
     start = time.monotonic()
     while not calls(worker, settle=0.01):
         assert time.monotonic() - start < 5
@@ -86,8 +86,8 @@ def test_busy_engine_pushes_after_the_delay(worker) -> None:
 
 
 def test_a_later_steps_prompt_waits_for_its_own_forward(worker) -> None:
-    step(worker, ready_sends={"r1": ("x1", [1])})
-    worker.start_load_kv(PDConnectorMetadata(ready_sends={"r2": ("x2", [2])}))
+    step(worker, ready_sends={"r1": ("x1", [[1]])})
+    worker.start_load_kv(PDConnectorMetadata(ready_sends={"r2": ("x2", [[2]])}))
     # r1 went at this step's start; r2's forward has not run: neither timer may send it
     assert calls(worker, settle=0.3) == [("ready", "r1")]
     worker.wait_for_save()
@@ -96,13 +96,13 @@ def test_a_later_steps_prompt_waits_for_its_own_forward(worker) -> None:
 
 def test_zero_delay_pushes_right_after_the_forward(worker) -> None:
     worker.settings = worker.settings.model_copy(update={"cpu_push_delay_ms": 0})
-    step(worker, ready_sends={"r1": ("x1", [1])})
+    step(worker, ready_sends={"r1": ("x1", [[1]])})
     assert calls(worker) == [("ready", "r1")]
 
 
 def test_reference_timing_waits_for_finished(worker) -> None:
     worker.settings = worker.settings.model_copy(update={"early_push": False})
-    step(worker, ready_sends={"r1": ("x1", [1])})
+    step(worker, ready_sends={"r1": ("x1", [[1]])})
     step(worker)
     assert calls(worker, settle=0.3) == []
     step(worker, finished_sends={"r1"})
@@ -127,7 +127,7 @@ class PreemptionSender(RecordingSender):
 def test_preempted_prompt_is_dropped_and_the_sender_told_before_the_forward() -> None:
     w = producer_worker(PreemptionSender(), "cpu", cpu_push_delay_ms=150)
     try:
-        w.start_load_kv(PDConnectorMetadata(ready_sends={"r1": ("x1", [1]), "r2": ("x2", [2])}))
+        w.start_load_kv(PDConnectorMetadata(ready_sends={"r1": ("x1", [[1]]), "r2": ("x2", [[2]])}))
         w.wait_for_save()
         # The next step preempts r1 before its KV was handed over: only r2 goes.
         w.start_load_kv(PDConnectorMetadata(preempted_sends={"r1"}))
