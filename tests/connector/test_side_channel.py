@@ -54,9 +54,10 @@ def make_mla_caches(fill: bool, seed: int = 0, device: str = "cpu") -> dict[str,
 
 
 class Side:
-    def __init__(self, caches: dict[str, torch.Tensor]) -> None:
+    def __init__(self, caches: dict[str, torch.Tensor],
+                 group_of: dict[str, int] | None = None) -> None:
         self.caches = caches
-        self.regions, infos = kv_regions(caches, BLOCKS)
+        self.regions, infos = kv_regions(caches, BLOCKS, group_of)
         self.transport = MooncakeTransport()
         self.transport.start("127.0.0.1")
         from appliance.connector.plan import registration_spans
@@ -98,10 +99,10 @@ class Pair:
     """One producer and one consumer worker side sharing the test's event loop."""
 
     def __init__(self, bootstrap_url: str, device: str = "cpu", make=make_caches,
-                 **overrides) -> None:
+                 group_of: dict[str, int] | None = None, **overrides) -> None:
         self.url = bootstrap_url
-        self.p = Side(make(True, device=device))
-        self.d = Side(make(False, device=device))
+        self.p = Side(make(True, device=device), group_of)
+        self.d = Side(make(False, device=device), group_of)
         common = {"bootstrap_addr": bootstrap_url, "host": "127.0.0.1",
                   "register_interval_s": 0.5, "send_timeout_s": 3, "recv_timeout_s": 3,
                   "cancel_grace_s": 1, **overrides}
@@ -118,7 +119,10 @@ class Pair:
         await wait_registered(self.url)
 
     def spec(self, transfer_id: str, blocks: list[int]) -> RecvSpec:
-        return RecvSpec(transfer_id, [blocks], "p0", self.url)
+        return self.spec_groups(transfer_id, [blocks])
+
+    def spec_groups(self, transfer_id: str, groups: list[list[int]]) -> RecvSpec:
+        return RecvSpec(transfer_id, groups, "p0", self.url)
 
     async def results(self, timeout: float = 10) -> tuple[set[str], set[str]]:
         assert self.receiver is not None
