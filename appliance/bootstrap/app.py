@@ -55,7 +55,8 @@ async def register(request: web.Request) -> web.Response:
 async def query(request: web.Request) -> web.Response:
     answer = request.app[REGISTRY].query()
     return web.json_response(
-        {dp: {"engine_id": e.engine_id, "worker_addr": e.worker_addr} for dp, e in answer.items()}
+        {dp: {"engine_id": e.engine_id, "worker_addr": e.worker_addr,
+              **({"tp_size": e.tp_size} if e.tp_size else {})} for dp, e in answer.items()}
     )
 
 

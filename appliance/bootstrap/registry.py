@@ -27,6 +27,7 @@ class _Worker:
 class _Engine:
     engine_id: str
     workers: dict[tuple[int, int], _Worker] = field(default_factory=dict)
+    tp_size: int = 0
 
 
 class Registry:
@@ -54,7 +55,11 @@ class Registry:
         key = (reg.tp_rank, reg.pp_rank)
         now = self._clock()
         if engine is None:
-            engine = _Engine(reg.engine_id)
+            engine = _Engine(reg.engine_id, tp_size=reg.tp_size)
+        elif engine.tp_size != reg.tp_size:
+            raise RegistryConflict(
+                f"engine {reg.engine_id!r} registered with tp size {engine.tp_size}, now "
+                f"{reg.tp_size}")
         worker = engine.workers.get(key)
         if worker is not None and worker.addr != reg.addr:
             raise RegistryConflict(
@@ -98,7 +103,8 @@ class Registry:
             addrs: dict[str, dict[str, str]] = {}
             for (tp, pp), worker in sorted(engine.workers.items()):
                 addrs.setdefault(str(tp), {})[str(pp)] = worker.addr
-            answer[str(dp)] = EngineView(engine_id=engine.engine_id, worker_addr=addrs)
+            answer[str(dp)] = EngineView(engine_id=engine.engine_id, worker_addr=addrs,
+                                         tp_size=engine.tp_size)
         return answer
 
     def __len__(self) -> int:

@@ -25,11 +25,17 @@ class Registration(msgspec.Struct, frozen=True):
     dp_rank: NonNegative = 0
     tp_rank: NonNegative = 0
     pp_rank: NonNegative = 0
+    # The engine's TP size, so a decode node of another TP size knows which ranks hold its
+    # heads before all of them have registered. vLLM's MooncakeConnector does not send it
+    # (0): /query then leaves it out, as the reference's sidecar answers.
+    tp_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
     def validate(self) -> None:
         m = ADDR_RE.match(self.addr)
         if m is None or not 0 < int(m.group(2)) < 65536:
             raise ValueError(f"addr must look like tcp://host:port, got {self.addr!r}")
+        if self.tp_size and self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} not below tp_size {self.tp_size}")
 
 
 class EngineView(msgspec.Struct):
@@ -37,6 +43,7 @@ class EngineView(msgspec.Struct):
 
     engine_id: str
     worker_addr: dict[str, dict[str, str]]
+    tp_size: int = 0  # 0: not registered (count the workers instead)
 
 
 QueryAnswer = dict[str, EngineView]

@@ -48,6 +48,7 @@ class RegionMsg(msgspec.Struct, array_like=True, frozen=True):
     block_bytes: U63
     num_blocks: U63
     group: Annotated[int, msgspec.Meta(ge=0, lt=_MAX_GROUPS)] = 0
+    heads: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
 
 
 class ReqEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -166,8 +167,8 @@ class TransferResponse(msgspec.Struct, tag="xresp", omit_defaults=True, frozen=T
 
 
 def layout_to_wire(regions: Iterable[Region]) -> list[RegionMsg]:
-    return [RegionMsg(r.base_addr, r.block_stride, r.block_bytes, r.num_blocks, r.group)
-            for r in regions]
+    return [RegionMsg(r.base_addr, r.block_stride, r.block_bytes, r.num_blocks, r.group,
+                      r.heads) for r in regions]
 
 
 def layout_from_wire(layout: Sequence[RegionMsg]) -> list[Region]:
@@ -176,8 +177,8 @@ def layout_from_wire(layout: Sequence[RegionMsg]) -> list[Region]:
     from appliance.connector.plan import LayoutError, Region
 
     try:
-        return [Region(m.base_addr, m.block_stride, m.block_bytes, m.num_blocks, m.group)
-                for m in layout]
+        return [Region(m.base_addr, m.block_stride, m.block_bytes, m.num_blocks, m.group,
+                       m.heads) for m in layout]
     except LayoutError as exc:
         raise MessageError(f"bad layout: {exc}") from None
 

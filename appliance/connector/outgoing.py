@@ -11,9 +11,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from appliance.connector.plan import Descriptors
+from appliance.connector.plan import Descriptors, Region
 from appliance.connector.state import Transfer
 from appliance.connector.transfer import MooncakeTransport, WriteResult
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One decode rank's share of a transfer: what this prefill worker writes for it."""
+
+    d_rank: int  # the decode TP rank that asked
+    pullers: int  # decode ranks that pull from this worker (1 unless D's TP is larger)
+    src: list[Region]  # P's regions, narrowed to the heads this rank gets
+    dst: list[Region]  # D's, likewise
 
 
 @dataclass
@@ -29,6 +39,16 @@ class Outgoing(Transfer):
     preempted: bool = False  # its source blocks were freed while being written
     cancelled: bool = False  # the decode node gave up while it was being written
     write_by: float = float("inf")  # no batch starts later (the decode node's deadline)
+    # With D's TP larger than P's, several decode ranks pull heads of one prompt from this
+    # worker: the transfer succeeds (and its blocks go back) once each was served.
+    legs: int = 1
+    asked: set[int] = field(default_factory=set)  # decode ranks that asked
+    served: set[int] = field(default_factory=set)  # decode ranks written to (or not needing)
+    writing: int = 0  # legs being written now
+
+    @property
+    def all_served(self) -> bool:
+        return len(self.served) >= self.legs
 
     def stop_reason(self) -> str | None:
         """Why a write under way must stop before its next batch; asked from a push thread,

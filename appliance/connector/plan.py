@@ -53,21 +53,23 @@ GroupBlocks = Sequence[Sequence[int]]
 @dataclass(frozen=True, slots=True)
 class Region:
     """Block ``i`` is ``block_bytes`` long at ``base_addr + i * block_stride``; the region
-    belongs to KV-cache group ``group`` (whose block ids address it)."""
+    belongs to KV-cache group ``group`` (whose block ids address it), and each block is
+    ``heads`` KV heads one after another (0: not known to be head-major; see tpplan)."""
 
     base_addr: int
     block_stride: int
     block_bytes: int
     num_blocks: int
     group: int = 0
+    heads: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_addr < _ADDR_LIMIT:
             raise LayoutError(f"base_addr {self.base_addr:#x} out of range")
         if self.block_bytes <= 0 or self.num_blocks <= 0:
             raise LayoutError(f"empty region: {self}")
-        if self.group < 0:
-            raise LayoutError(f"negative KV-cache group {self.group}")
+        if self.group < 0 or self.heads < 0:
+            raise LayoutError(f"negative KV-cache group or head count: {self}")
         if self.num_blocks > 1 and self.block_stride < self.block_bytes:
             raise LayoutError(f"blocks overlap: stride {self.block_stride} < {self.block_bytes}")
         if self.base_addr + self.span[1] > _ADDR_LIMIT:

@@ -17,7 +17,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -25,10 +25,11 @@ import zmq.asyncio
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.connector import messages as m
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
-from appliance.connector.plan import Region
+from appliance.connector.plan import PlanError, Region
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.state import Transfer, TransferState
 from appliance.connector.stats import TransferStats
+from appliance.connector.tpplan import pulls_for
 from appliance.connector.transfer import MooncakeTransport
 
 log = logging.getLogger("vllm.appliance.connector.receiver")
@@ -40,7 +41,11 @@ class Incoming(Transfer):
     d_req_id: str = ""
     spec: RecvSpec | None = None
     deadline: float = 0.0
-    peer: str | None = None  # the producer worker's side-channel address
+    # The producer workers asked (side-channel addresses): one, or with P's TP larger than
+    # ours each one holding some of our heads; and those that have not answered yet.
+    peers: list[str] = field(default_factory=list)
+    waiting: set[str] = field(default_factory=set)
+    failure: str | None = None  # a producer's failure, once the others have answered
     # Given up on (aborted, or past its deadline) while the producer may be writing into
     # its blocks: they stay held until the producer answers or until hold_until, after
     # which it can write nothing more (see Receiver._give_up).
@@ -85,12 +90,13 @@ class _Peer:
 class Receiver:
     def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int,
-                 stats: TransferStats) -> None:
+                 stats: TransferStats, total_heads: int | None = None) -> None:
         self.settings = settings
         self.transport = transport
         self.host = host
         self.regions = regions
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.total_heads = total_heads  # the model's KV heads; 0: MLA; None: unknown
         self.stats = stats
         self.layout_id = secrets.randbits(63)
         self.incoming: dict[str, Incoming] = {}
@@ -99,6 +105,7 @@ class Receiver:
         self._clients: dict[str, BootstrapClient] = {}
         # (bootstrap, engine) -> tp_rank -> side-channel address; one lookup at a time.
         self._engines: dict[tuple[str, str], dict[int, str]] = {}
+        self._tp_sizes: dict[tuple[str, str], int] = {}
         self._lookups: dict[tuple[str, str], asyncio.Future] = {}
         self._finished: set[str] = set()
         self._failed: set[str] = set()
@@ -144,23 +151,25 @@ class Receiver:
         spec = inc.spec
         assert spec is not None
         try:
-            addr = await self._resolve(spec.remote_bootstrap_addr, spec.remote_engine_id)
-        except BootstrapError as exc:
+            addrs = await self._resolve(spec.remote_bootstrap_addr, spec.remote_engine_id)
+        except (BootstrapError, PlanError) as exc:
             self._finish(inc, ok=False, error=str(exc))
             return
         if inc.state.terminal or inc.cancelled:
             # Aborted (or past its deadline) while we looked P up: our blocks are free
             # already, but P holds the KV for us until send_timeout_s unless told.
             self._finish(inc, ok=False, error="cancelled")
-            await self._send_cancel(addr, m.CancelEntry.release(inc.transfer_id))
+            for addr in addrs:
+                await self._send_cancel(addr, m.CancelEntry.release(inc.transfer_id))
             return
-        inc.peer = addr
-        inc.advance(TransferState.WAITING_FOR_INPUT, d_req=inc.d_req_id, peer=addr)
-        await self._send_request(inc, with_layout=False)
+        inc.peers, inc.waiting = addrs, set(addrs)
+        inc.advance(TransferState.WAITING_FOR_INPUT, d_req=inc.d_req_id, peer=",".join(addrs))
+        for addr in addrs:
+            await self._send_request(inc, addr, with_layout=False)
 
-    async def _send_request(self, inc: Incoming, with_layout: bool) -> None:
-        assert inc.spec is not None and inc.peer is not None
-        peer = self._peer(inc.peer)
+    async def _send_request(self, inc: Incoming, addr: str, with_layout: bool) -> None:
+        assert inc.spec is not None
+        peer = self._peer(addr)
         include = with_layout or not peer.layout_sent
         msg = m.TransferRequest(
             engine_id=self.settings.engine_id, host=self.host,
@@ -173,9 +182,10 @@ class Receiver:
         peer.layout_sent = True
         await peer.send(m.encode_request(msg))
 
-    async def _resolve(self, bootstrap: str, engine_id: str) -> str:
+    async def _resolve(self, bootstrap: str, engine_id: str) -> list[str]:
+        """Side-channel addresses of the producer workers that hold our KV heads."""
         key = (bootstrap, engine_id)
-        if self.tp_rank not in self._engines.get(key, {}):
+        if not self._ranks_known(key):
             # Unknown, or cached before this rank's producer worker registered (TP ranks
             # register one by one): ask the sidecar again.
             pending = self._lookups.get(key)
@@ -186,10 +196,26 @@ class Receiver:
         workers = self._engines.get(key)
         if not workers:
             raise BootstrapError(f"engine {engine_id!r} is not registered at {bootstrap}")
-        if self.tp_rank not in workers:
+        ranks = self._source_ranks(key)
+        missing = [r for r in ranks if r not in workers]
+        if missing:
             raise BootstrapError(f"engine {engine_id!r} has no worker for tp rank "
-                                 f"{self.tp_rank} (it has {sorted(workers)})")
-        return workers[self.tp_rank]
+                                 f"{missing[0]} (it has {sorted(workers)})")
+        return [workers[r] for r in ranks]
+
+    def _source_ranks(self, key: tuple[str, str]) -> list[int]:
+        """The producer's TP ranks holding our heads: ours alone when its TP equals ours."""
+        p_tp = self._tp_sizes.get(key) or self.tp_size
+        return [p.p_rank for p in pulls_for(self.tp_rank, self.tp_size, p_tp,
+                                            self.total_heads)]
+
+    def _ranks_known(self, key: tuple[str, str]) -> bool:
+        if key not in self._engines:
+            return False
+        try:
+            return all(r in self._engines[key] for r in self._source_ranks(key))
+        except PlanError:
+            return True  # _resolve raises it with the producer's answer in hand
 
     async def _query(self, bootstrap: str) -> None:
         client = self._clients.get(bootstrap)
@@ -198,8 +224,12 @@ class Receiver:
                 bootstrap, timeout=min(10.0, self.settings.recv_timeout_s))
         answer = await client.query()
         for view in answer.values():
-            self._engines[(bootstrap, view.engine_id)] = {
+            key = (bootstrap, view.engine_id)
+            self._engines[key] = {
                 int(tp): pps["0"] for tp, pps in view.worker_addr.items() if "0" in pps}
+            # A sidecar that does not know the producer's TP size (vLLM's own) leaves it
+            # out: then it is assumed equal to ours, the reference's only case.
+            self._tp_sizes[key] = view.tp_size
 
     def _peer(self, addr: str) -> _Peer:
         peer = self._peers.get(addr)
@@ -217,20 +247,38 @@ class Receiver:
                 if inc is None or inc.state.terminal:
                     continue
                 if inc.cancelled:  # the producer never took it: nothing can write
-                    self._finish(inc, ok=False, error=inc.cancel_reason)
+                    self._answered(inc, peer.addr, inc.cancel_reason)
                 else:
-                    asyncio.create_task(self._send_request(inc, with_layout=True))
+                    asyncio.create_task(self._send_request(inc, peer.addr, with_layout=True))
             return
         for d_req in resp.ok:
             inc = self.incoming.get(d_req)
             if inc is not None:
-                self._finish(inc, ok=True)
+                self._answered(inc, peer.addr, None)
         for d_req, why in resp.failed.items():
             inc = self.incoming.get(d_req)
             if inc is not None:
-                self._finish(inc, ok=False, error=f"producer: {why}")
+                self._answered(inc, peer.addr, f"producer: {why}")
         if resp.status is m.Status.ERROR and not resp.failed:
             log.warning("producer %s rejected a request: %s", peer.addr, resp.message)
+
+    def _answered(self, inc: Incoming, addr: str, failure: str | None) -> None:
+        """One producer worker is done with this pull. It is over once all are: received
+        if every one wrote its heads, else failed. A failure makes the others stop too,
+        and the blocks stay held until they answer (no write lands in a freed block)."""
+        if addr not in inc.waiting:
+            return  # a late or repeated answer
+        inc.waiting.discard(addr)
+        if failure is not None and inc.failure is None:
+            inc.failure = failure
+            if inc.waiting:
+                self._give_up(inc, failure)
+        if inc.waiting:
+            return
+        if inc.failure is not None or inc.cancelled:
+            self._finish(inc, ok=False, error=inc.failure or inc.cancel_reason)
+        else:
+            self._finish(inc, ok=True)
 
     # --- cancellation, release, deadlines -------------------------------------------------
 
@@ -249,23 +297,24 @@ class Receiver:
         """
         if inc.cancelled or inc.state.terminal:
             return
-        assert inc.peer is not None
         inc.cancelled, inc.cancel_reason = True, why
         inc.hold_until = (max(inc.deadline, time.monotonic())
                           + self.settings.cancel_grace_s)
         log.info("d_req=%s transfer=%s %s; blocks held until the producer confirms (at most "
                  "%.1fs)", inc.d_req_id, inc.transfer_id, why,
                  inc.hold_until - time.monotonic())
-        asyncio.create_task(self._send_cancel(
-            inc.peer, m.CancelEntry(inc.d_req_id, inc.transfer_id)))
+        for addr in inc.waiting:
+            asyncio.create_task(self._send_cancel(
+                addr, m.CancelEntry(inc.d_req_id, inc.transfer_id)))
 
     async def _release(self, spec: ReleaseSpec) -> None:
         try:
-            addr = await self._resolve(spec.remote_bootstrap_addr, spec.remote_engine_id)
-        except BootstrapError as exc:
+            addrs = await self._resolve(spec.remote_bootstrap_addr, spec.remote_engine_id)
+        except (BootstrapError, PlanError) as exc:
             log.info("release of %s not delivered: %s", spec.transfer_id, exc)
             return
-        await self._send_cancel(addr, m.CancelEntry.release(spec.transfer_id))
+        for addr in addrs:
+            await self._send_cancel(addr, m.CancelEntry.release(spec.transfer_id))
 
     async def _deadline_loop(self) -> None:
         while True:
@@ -280,13 +329,13 @@ class Receiver:
                             f"{inc.cancel_reason}; the producer never confirmed, and can "
                             f"write nothing more {self.settings.cancel_grace_s:g}s past the "
                             "deadline it was given"))
-                        if inc.peer is not None:
+                        for addr in inc.waiting:
                             # Its address may be stale (restart): look it up again.
-                            self._forget_peer(inc.peer)
+                            self._forget_peer(addr)
                 elif now > inc.deadline:
                     why = (f"no KV from the producer within recv_timeout_s="
                            f"{self.settings.recv_timeout_s:g}s ({inc.state.value})")
-                    if inc.peer is None:  # never sent: nothing can write into its blocks
+                    if not inc.peers:  # never sent: nothing can write into its blocks
                         self._finish(inc, ok=False, error=why)
                     else:
                         self._give_up(inc, why)

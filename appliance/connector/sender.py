@@ -25,11 +25,17 @@ import zmq.asyncio
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
 from appliance.connector import messages as m
-from appliance.connector.outgoing import Outgoing, write
-from appliance.connector.plan import PlanError, Region, build_group_descriptors
+from appliance.connector.outgoing import Leg, Outgoing, write
+from appliance.connector.plan import (
+    LayoutMismatchError,
+    PlanError,
+    Region,
+    build_group_descriptors,
+)
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.state import TransferState
 from appliance.connector.stats import TransferStats
+from appliance.connector.tpplan import narrow, pull_served_by, pullers_of
 from appliance.connector.transfer import MooncakeTransport, TransferError
 
 log = logging.getLogger("vllm.appliance.connector.sender")
@@ -41,12 +47,14 @@ _SEEN_IDS = 65536
 class Sender:
     def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int, dp_rank: int,
-                 stats: TransferStats, thread_init: Callable[[], None] | None = None) -> None:
+                 stats: TransferStats, thread_init: Callable[[], None] | None = None,
+                 total_heads: int | None = None) -> None:
         self.settings = settings
         self.transport = transport
         self.regions = regions
         self.host = host
         self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
+        self.total_heads = total_heads  # the model's KV heads; 0: MLA; None: unknown
         self.stats = stats
         self.by_transfer: dict[str, Outgoing] = {}
         self.by_req: dict[str, Outgoing] = {}
@@ -80,7 +88,8 @@ class Sender:
 
     def _registration(self) -> Registration:
         return Registration(engine_id=self.settings.engine_id, addr=self.side_channel_addr,
-                            dp_rank=self.dp_rank, tp_rank=self.tp_rank, pp_rank=0)
+                            dp_rank=self.dp_rank, tp_rank=self.tp_rank, pp_rank=0,
+                            tp_size=self.tp_size)
 
     async def _keep_registered(self) -> None:
         """Register, then refresh within the sidecar's TTL; never blocks start-up."""
@@ -149,9 +158,9 @@ class Sender:
             t = self.by_req.get(req_id)
             if t is None or t.state.terminal:
                 continue  # written and answered already: from the blocks before the free
-            if t.state is TransferState.TRANSFERRING:
+            if t.writing:
                 t.preempted = True
-            else:
+            else:  # not written yet, or between two decode ranks' legs: the new blocks
                 t.block_ids, t.fence = None, None
                 t.ready.clear()
             log.info("p_req=%s transfer=%s preempted after its prefill (%s)", req_id,
@@ -248,27 +257,41 @@ class Sender:
             asyncio.create_task(self._reply(identity, m.TransferResponse(
                 status=m.Status.LAYOUT_MISS, failed=d_ids, layout_id=msg.layout_id)))
             return
-        problem = None
-        if (msg.tp_size, msg.tp_rank) != (self.tp_size, self.tp_rank):
-            problem = (f"decode tp {msg.tp_rank}/{msg.tp_size} cannot pair with prefill tp "
-                       f"{self.tp_rank}/{self.tp_size}")
-        elif ([(r.block_bytes, r.group) for r in dst_regions]
-              != [(r.block_bytes, r.group) for r in self.regions]):
-            problem = (f"KV layouts differ: decode has {len(dst_regions)} regions, prefill "
-                       f"{len(self.regions)}, or their block sizes or KV-cache groups differ")
-        if problem:
+        try:
+            leg = self._leg(msg, dst_regions)
+        except PlanError as exc:
+            problem = str(exc)
             self.stats.record_failure()
             log.warning("rejected transfer request from %s: %s", msg.engine_id, problem)
             asyncio.create_task(self._reply(identity, m.TransferResponse(
                 status=m.Status.ERROR, failed={k: problem for k in d_ids}, message=problem)))
             return
         for entry in msg.reqs:
-            asyncio.create_task(self._serve(identity, msg.session_id, dst_regions, entry))
+            asyncio.create_task(self._serve(identity, msg.session_id, leg, entry))
 
-    async def _serve(self, identity: bytes, session: str, dst_regions: list[Region],
+    def _leg(self, msg: m.TransferRequest, dst_regions: list[Region]) -> Leg:
+        """What this worker writes for the decode rank that sent `msg`: its share of that
+        rank's heads (all of them at equal TP), as narrowed regions on both sides."""
+        pull = pull_served_by(self.tp_rank, self.tp_size, msg.tp_rank, msg.tp_size,
+                              self.total_heads)
+        if pull is None:
+            raise PlanError(f"decode tp {msg.tp_rank}/{msg.tp_size} pulls nothing from "
+                            f"prefill tp {self.tp_rank}/{self.tp_size}")
+        if len(dst_regions) != len(self.regions):
+            raise LayoutMismatchError(f"KV layouts differ: decode has {len(dst_regions)} "
+                                      f"regions, prefill {len(self.regions)}")
+        src, dst = narrow(self.regions, dst_regions, pull)
+        if [(r.block_bytes, r.group) for r in src] != [(r.block_bytes, r.group) for r in dst]:
+            raise LayoutMismatchError(f"KV layouts differ: decode has {len(dst_regions)} "
+                                      f"regions, prefill {len(self.regions)}, or their block "
+                                      "sizes or KV-cache groups differ")
+        pullers = len(pullers_of(self.tp_rank, self.tp_size, msg.tp_size, self.total_heads))
+        return Leg(msg.tp_rank, pullers, src, dst)
+
+    async def _serve(self, identity: bytes, session: str, leg: Leg,
                      entry: m.ReqEntry) -> None:
         try:
-            ok, why = await self._push(session, dst_regions, entry)
+            ok, why = await self._push(session, leg, entry)
         except Exception as exc:  # noqa: BLE001 - a bug must not strand blocks or D
             log.exception("push of transfer %s failed unexpectedly", entry.transfer_id)
             ok, why = False, f"internal error: {exc!r}"
@@ -280,8 +303,7 @@ class Sender:
                 m.TransferResponse(status=m.Status.FINISH, failed={entry.d_req_id: why}))
         await self._reply(identity, resp)
 
-    async def _push(self, session: str, dst_regions: list[Region],
-                    entry: m.ReqEntry) -> tuple[bool, str]:
+    async def _push(self, session: str, leg: Leg, entry: m.ReqEntry) -> tuple[bool, str]:
         tid, d_req = entry.transfer_id, entry.d_req_id
         # Leave D a margin: a write must be over before D's deadline, not merely started.
         write_by = (time.monotonic() + entry.deadline_ms / 1000 * 0.8 if entry.deadline_ms
@@ -292,14 +314,17 @@ class Sender:
         if t is None:  # D arrived before the prefill finished (seeds step 22)
             t = self.by_transfer[tid] = Outgoing(transfer_id=tid)
             t.deadline = time.monotonic() + self.settings.send_timeout_s
-        if t.d_req_id is not None:
+        if leg.d_rank in t.asked or len(t.asked) >= t.legs or (
+                t.d_req_id is not None and t.d_req_id != d_req):
             return False, f"transfer_id {tid} already requested by {t.d_req_id}"
-        t.d_req_id = d_req
-        t.write_by = write_by  # no batch of its write starts later
+        t.d_req_id, t.legs = d_req, leg.pullers
+        t.asked.add(leg.d_rank)
+        t.write_by = min(t.write_by, write_by)  # no batch of its write starts later
         if not any(entry.block_ids):  # D needs no KV (aborted, or a local cache hit)
-            if t.state is TransferState.WAITING_FOR_INPUT:
+            t.served.add(leg.d_rank)
+            if t.state is TransferState.WAITING_FOR_INPUT and t.all_served:
                 t.advance(TransferState.SUCCESS, p_req=t.p_req_id, d_req=d_req, released=True)
-            self._settle(t)
+                self._settle(t)
             return True, ""
         await t.ready.wait()
         while t.state is not TransferState.FAILED and t.block_ids is None:
@@ -313,10 +338,11 @@ class Sender:
                    p_req=t.p_req_id, d_req=d_req)
             self._settle(t)
             return False, t.error or "deadline"
-        t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
+        if t.state is TransferState.WAITING_FOR_INPUT:
+            t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
+        t.writing += 1
         try:
-            descs = build_group_descriptors(self.regions, dst_regions, t.block_ids,
-                                            entry.block_ids)
+            descs = build_group_descriptors(leg.src, leg.dst, t.block_ids, entry.block_ids)
             fence = t.fence
             result = await asyncio.get_running_loop().run_in_executor(
                 self._pool, write, self.transport, fence, session, descs,
@@ -326,7 +352,9 @@ class Sender:
             t.fail(str(exc), p_req=t.p_req_id, d_req=d_req)
             self._settle(t)
             return False, str(exc)
-        if t.preempted:
+        finally:
+            t.writing -= 1
+        if t.preempted or t.state is TransferState.FAILED:
             # The blocks it read were freed under it, and may hold another prompt's KV by
             # now: D must not use what arrived (it recomputes, by its load-failure policy).
             t.fail("the prefill was preempted while its KV was being written",
@@ -334,12 +362,14 @@ class Sender:
             self._settle(t)
             return False, t.error or "preempted"
         self.stats.record_transfer(result.nbytes, result.descriptors, result.seconds)
-        t.advance(TransferState.SUCCESS)
+        t.served.add(leg.d_rank)
         log.info("sent p_req=%s d_req=%s transfer=%s blocks=%d bytes=%d descs=%d in %.1f ms "
-                 "(%.2f GB/s)", t.p_req_id, d_req, tid, sum(map(len, entry.block_ids)),
-                 result.nbytes,
-                 result.descriptors, result.seconds * 1e3, result.gbps)
-        self._settle(t)
+                 "(%.2f GB/s)%s", t.p_req_id, d_req, tid, sum(map(len, entry.block_ids)),
+                 result.nbytes, result.descriptors, result.seconds * 1e3, result.gbps,
+                 f" to decode tp {leg.d_rank}" if t.legs > 1 else "")
+        if t.all_served:  # every decode rank that pulls from us has its heads
+            t.advance(TransferState.SUCCESS)
+            self._settle(t)
         return True, ""
 
     def _cancel(self, identity: bytes, msg: m.CancelRequest) -> None:
@@ -364,8 +394,14 @@ class Sender:
                 else:
                     self._remember(entry.transfer_id, why)
                 failed[entry.d_req_id] = "cancelled"
-            elif t.state is TransferState.TRANSFERRING:
+            elif t.state is TransferState.TRANSFERRING and t.writing:
                 t.cancelled = True  # stops before its next batch; _serve answers then
+            elif t.state is TransferState.TRANSFERRING:
+                # Between two decode ranks' legs: nothing is being written to stop.
+                t.fail("cancelled by the decode node", p_req=t.p_req_id, d_req=entry.d_req_id)
+                t.ready.set()
+                self._settle(t)
+                failed[entry.d_req_id] = "cancelled"
             elif t.state is TransferState.SUCCESS:
                 ok.append(entry.d_req_id)
             else:
@@ -414,7 +450,17 @@ class Sender:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             for t in list(self.by_transfer.values()):
-                if t.state is not TransferState.WAITING_FOR_INPUT or now < t.deadline:
+                if now < t.deadline:
+                    continue
+                if t.state is TransferState.TRANSFERRING and not t.writing:
+                    # Some decode ranks were served, another never asked (it died, or its
+                    # request was dropped): free the blocks rather than hold them for it.
+                    t.fail(f"decode ranks {sorted(t.served)} of {t.legs} were served, the "
+                           "others never asked within send_timeout_s", p_req=t.p_req_id,
+                           d_req=t.d_req_id)
+                    self._settle(t)
+                    continue
+                if t.state is not TransferState.WAITING_FOR_INPUT:
                     continue
                 if t.p_req_id is None:
                     why = "prefill did not finish within send_timeout_s"

@@ -7,6 +7,7 @@ a background loop; vLLM's forward pass never waits on the network.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -20,6 +21,7 @@ from appliance.connector.metadata import PDConnectorMetadata
 from appliance.connector.plan import Region, TensorInfo, registration_spans
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.stats import PDConnectorStats, TransferStats
+from appliance.connector.tpplan import head_major
 from appliance.connector.transfer import MooncakeTransport
 
 if TYPE_CHECKING:
@@ -51,17 +53,22 @@ def block_major(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, in
 
 
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
-               group_of: dict[str, int] | None = None) -> tuple[list[Region], list[TensorInfo]]:
+               group_of: dict[str, int] | None = None,
+               kv_heads: int = 0) -> tuple[list[Region], list[TensorInfo]]:
     """Regions of every layer's KV cache, in layer order, from their real shapes and
     strides (never from an assumed layout), each tagged with its layer's KV-cache group.
     With vLLM's hybrid allocator layers of different groups share one tensor: their regions
-    overlay, and each group's own block ids keep them apart."""
+    overlay, and each group's own block ids keep them apart. With `kv_heads` (this rank's
+    KV heads) each region says whether its blocks are head-major (see tpplan)."""
     regions: list[Region] = []
     infos: list[TensorInfo] = []
     for name in sorted(kv_caches, key=layer_order):
         tensor, block_dim = block_major(kv_caches[name], num_blocks)
         info = TensorInfo.from_tensor(tensor)
-        regions.extend(info.regions(num_blocks, block_dim, (group_of or {}).get(name, 0)))
+        for r in info.regions(num_blocks, block_dim, (group_of or {}).get(name, 0)):
+            heads = head_major(info.shape, info.strides, info.elem_size, block_dim, kv_heads,
+                               r.block_bytes) if kv_heads else 0
+            regions.append(dataclasses.replace(r, heads=heads))
         infos.append(info)
     return regions, infos
 
@@ -80,6 +87,18 @@ def compute_fence(device: Any) -> Callable[[], None] | None:
     event = torch.cuda.Event(blocking=True)
     event.record()
     return event.synchronize
+
+
+def kv_heads_of(vllm_config: Any) -> tuple[int, int | None]:
+    """(KV heads on this rank, KV heads of the model): what a head slice is cut from when P
+    and D differ in TP. MLA's one latent is (1, 0): every rank holds it whole."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return 0, None
+    if getattr(model, "use_mla", False):
+        return 1, 0
+    return (int(model.get_num_kv_heads(vllm_config.parallel_config)),
+            int(model.get_total_num_kv_heads()))
 
 
 def dp_rank_of(parallel_config: Any) -> int:
@@ -161,6 +180,7 @@ class PDWorker:
         self.dp_rank = dp_rank_of(vllm_config.parallel_config)
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.group_of = layer_groups(kv_cache_config)
+        self.kv_heads, self.total_heads = kv_heads_of(vllm_config)
         self.host = settings.resolved_host()
         self.stats = TransferStats()
         self.transport = MooncakeTransport()
@@ -174,7 +194,7 @@ class PDWorker:
                  self.tp_size, settings.protocol, self.transport.session_id)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        regions, infos = kv_regions(kv_caches, self.num_blocks, self.group_of)
+        regions, infos = kv_regions(kv_caches, self.num_blocks, self.group_of, self.kv_heads)
         spans = registration_spans(infos)
         self.transport.register(spans)
         self._device = next(iter(kv_caches.values())).device
@@ -193,7 +213,7 @@ class PDWorker:
 
         sender = Sender(self.settings, self.transport, regions, self.host, self.tp_rank,
                         self.tp_size, self.dp_rank, self.stats,
-                        thread_init=thread_binder(self._device))
+                        thread_init=thread_binder(self._device), total_heads=self.total_heads)
         await sender.start()
         return sender
 
@@ -201,7 +221,7 @@ class PDWorker:
         from appliance.connector.receiver import Receiver
 
         return Receiver(self.settings, self.transport, regions, self.host, self.tp_rank,
-                        self.tp_size, self.stats)
+                        self.tp_size, self.stats, total_heads=self.total_heads)
 
     # --- per step -------------------------------------------------------------------------
     #
