@@ -21,7 +21,6 @@ from appliance.connector.plan import (
 from appliance.connector.scheduler import PDScheduler
 from appliance.connector.settings import ConnectorSettings
 from tests.connector.test_side_channel import BLOCK, BLOCKS, HEAD_DIM, HEADS, Pair
-from tests.connector.test_side_channel import bootstrap_url  # noqa: F401 - fixture
 
 # --- which models ---------------------------------------------------------------------------
 
@@ -166,9 +165,10 @@ def test_each_region_moves_its_own_groups_blocks():
     descs = build_group_descriptors(src, dst, [[1, 2], [9]], [[5, 6], [30]])
     full = build_descriptors([src[0], src[2]], [dst[0], dst[2]], [1, 2], [5, 6])
     window = build_descriptors([src[1], src[3]], [dst[1], dst[3]], [9], [30])
-    assert sorted(zip(descs.srcs, descs.dsts, descs.lengths)) == sorted(
-        [*zip(full.srcs, full.dsts, full.lengths), *zip(window.srcs, window.dsts,
-                                                          window.lengths)])
+    def triples(d):
+        return list(zip(d.srcs, d.dsts, d.lengths, strict=True))
+
+    assert sorted(triples(descs)) == sorted(triples(full) + triples(window))
 
 
 def test_group_mismatches_are_refused():

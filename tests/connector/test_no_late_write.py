@@ -16,7 +16,7 @@ import time
 import pytest
 
 from appliance.connector.transfer import WriteStopped
-from tests.connector.test_side_channel import Pair, bootstrap_url  # noqa: F401
+from tests.connector.test_side_channel import Pair
 
 
 @pytest.fixture

@@ -120,7 +120,8 @@ def test_remote_num_tokens_other_than_prompt_less_one_is_refused(bad, caplog):
 
 def test_refused_params_at_a_foreign_bootstrap_release_nothing():
     s = PDScheduler(ConnectorSettings(engine_id="e0", role="consumer",
-                                      allowed_bootstrap_addrs=("http://10.0.0.1:8998",)), [KVGroup(BS)])
+                                      allowed_bootstrap_addrs=("http://10.0.0.1:8998",)),
+                    [KVGroup(BS)])
     req = Req("d1", list(range(49)), pull_params(remote_num_tokens=3))
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).releases == []

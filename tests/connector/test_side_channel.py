@@ -12,9 +12,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
-from aiohttp import web
 
-from appliance.bootstrap import BootstrapSettings, build_app
 from appliance.connector import messages as m
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
 from appliance.connector.plan import Region
@@ -154,16 +152,6 @@ class Pair:
             await self.receiver.close()
         self.p.transport.close()
         self.d.transport.close()
-
-
-@pytest.fixture
-async def bootstrap_url():
-    runner = web.AppRunner(build_app(BootstrapSettings(ttl=0)))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
-    await runner.cleanup()
 
 
 @pytest.fixture

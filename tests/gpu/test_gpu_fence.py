@@ -20,7 +20,8 @@ from appliance.connector.outgoing import write as _write
 from appliance.connector.plan import build_descriptors, registration_spans
 from appliance.connector.transfer import MooncakeTransport
 from appliance.connector.worker import compute_fence, kv_regions
-from tests.connector.test_side_channel import BLOCKS, Pair, bootstrap_url  # noqa: F401
+from tests.connector.conftest import bootstrap_url  # noqa: F401 - a fixture
+from tests.connector.test_side_channel import BLOCKS, Pair
 
 pytest.importorskip("mooncake.engine")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -88,7 +89,7 @@ async def test_sender_pushes_gpu_kv_after_the_fence(bootstrap_url):  # noqa: F81
                 t.copy_(want)
             fence = compute_fence(p_layers[0].device)
         pair.receiver.on_recv("d1", pair.spec("x1", [10, 11, 12, 40]))
-        pair.sender.on_ready("p1", "x1", [3, 4, 5, 9], fence)
+        pair.sender.on_ready("p1", "x1", [[3, 4, 5, 9]], fence)
         assert await pair.results() == ({"d1"}, set())
         torch.cuda.synchronize()
         pair.assert_copied([3, 4, 5, 9], [10, 11, 12, 40])
@@ -116,7 +117,7 @@ def test_worker_hands_gpu_kv_over_at_once_with_a_fence() -> None:
     w = producer_worker(Sender(), "cuda")  # the default cpu_push_delay_ms (20) applies
     stream = torch.cuda.Stream()
     try:
-        w.start_load_kv(PDConnectorMetadata(ready_sends={"r1": ("x1", [1])}))
+        w.start_load_kv(PDConnectorMetadata(ready_sends={"r1": ("x1", [[1]])}))
         with torch.cuda.stream(stream):
             torch.cuda._sleep(SLEEP_CYCLES)  # this step's kernels, still running
             w.wait_for_save()

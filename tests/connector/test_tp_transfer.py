@@ -1,0 +1,172 @@
+"""P and D of different TP sizes, with real senders and receivers (one per rank) over real
+ZMQ and Mooncake TCP and a real bootstrap sidecar: each decode rank gets exactly its heads
+from the prefill ranks holding them, every byte checked, and P frees a prompt's blocks only
+once every decode rank pulling from it was served."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from appliance.connector.metadata import RecvSpec
+from appliance.connector.receiver import Receiver
+from appliance.connector.sender import Sender
+from appliance.connector.settings import ConnectorSettings
+from appliance.connector.tpplan import rank_heads
+from appliance.connector.worker import kv_regions
+from tests.connector.test_side_channel import (
+    BLOCK,
+    BLOCKS,
+    HEAD_DIM,
+    Side,
+    receiver_results,
+    wait_registered,
+)
+
+LAYERS, TOTAL_HEADS = 2, 4
+
+
+def caches(heads: range, fill: bool) -> dict[str, torch.Tensor]:
+    """vLLM's CPU pages for one rank holding `heads`: [blocks, heads, block, 2*head_dim]
+    per layer. When filled, head h of block b of layer l is a pattern of (l, b, h) alone,
+    so whichever rank holds a head, its bytes are the same."""
+    out = {}
+    for layer in range(LAYERS):
+        t = torch.zeros(BLOCKS, len(heads), BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+        if fill:
+            for i, h in enumerate(heads):
+                g = torch.Generator().manual_seed(layer * 1000 + h)
+                t[:, i] = torch.randn(BLOCKS, BLOCK, 2 * HEAD_DIM, generator=g)
+        out[f"model.layers.{layer}.self_attn.attn"] = t
+    return out
+
+
+class RankSide(Side):
+    def __init__(self, rank: int, tp: int, fill: bool) -> None:
+        self.heads = rank_heads(rank, tp, TOTAL_HEADS)
+        super().__init__(caches(self.heads, fill))
+        self.regions, _ = kv_regions(self.caches, BLOCKS, None, len(self.heads))
+
+    def head(self, layer: int, block: int, head: int) -> torch.Tensor:
+        return self.caches[f"model.layers.{layer}.self_attn.attn"][block,
+                                                                   head - self.heads.start]
+
+
+def settings(url: str, engine: str, role: str) -> ConnectorSettings:
+    return ConnectorSettings(engine_id=engine, role=role, bootstrap_addr=url, host="127.0.0.1",
+                             register_interval_s=0.5, send_timeout_s=3, recv_timeout_s=5,
+                             cancel_grace_s=1)
+
+
+async def run_pair(url: str, p_tp: int, d_tp: int):
+    ps = [RankSide(r, p_tp, True) for r in range(p_tp)]
+    ds = [RankSide(r, d_tp, False) for r in range(d_tp)]
+    senders = [Sender(settings(url, "p0", "producer"), ps[r].transport, ps[r].regions,
+                      "127.0.0.1", r, p_tp, 0, ps[r].stats, total_heads=TOTAL_HEADS)
+               for r in range(p_tp)]
+    receivers = [Receiver(settings(url, "d0", "consumer"), ds[r].transport, ds[r].regions,
+                          "127.0.0.1", r, d_tp, ds[r].stats, total_heads=TOTAL_HEADS)
+                 for r in range(d_tp)]
+    for s in senders:
+        await s.start()
+    for r in range(p_tp):
+        await wait_registered(url, r)
+    return ps, ds, senders, receivers
+
+
+async def close(ps, ds, senders, receivers) -> None:
+    for s in senders:
+        await s.close()
+    for r in receivers:
+        await r.close()
+    for side in (*ps, *ds):
+        side.transport.close()
+
+
+def assert_heads_moved(ps, ds, src: list[int], dst: list[int]) -> None:
+    """Every head of every decode rank's blocks equals the prefill block it came from, and
+    no other block of D changed."""
+    for d in ds:
+        for layer in range(LAYERS):
+            for h in d.heads:
+                p = next(p for p in ps if h in p.heads)
+                for s, b in zip(src, dst, strict=True):
+                    assert torch.equal(d.head(layer, b, h), p.head(layer, s, h)), (h, s, b)
+            untouched = [b for b in range(BLOCKS) if b not in dst]
+            assert not d.caches[f"model.layers.{layer}.self_attn.attn"][untouched].any()
+
+
+async def finished_sending(sender: Sender, within: float = 5) -> set[str]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        done = sender.take_finished()
+        if done:
+            return done
+        await asyncio.sleep(0.02)
+    return set()
+
+
+async def test_p_tp2_to_d_tp1_pulls_each_half_from_its_rank(bootstrap_url):
+    ps, ds, senders, receivers = await run_pair(bootstrap_url, p_tp=2, d_tp=1)
+    try:
+        for s in senders:
+            s.on_ready("p1", "x1", [[3, 4, 9]], None)
+            s.on_finished({"p1"})
+        receivers[0].on_recv("d1", RecvSpec("x1", [[10, 11, 12]], "p0", bootstrap_url))
+        assert await receiver_results(receivers[0]) == ({"d1"}, set())
+        assert_heads_moved(ps, ds, [3, 4, 9], [10, 11, 12])
+        for s in senders:  # each prefill rank had one decode rank to serve
+            assert await finished_sending(s) == {"p1"}
+        half = 3 * BLOCK * 2 * HEAD_DIM * 2 * (TOTAL_HEADS // 2) * LAYERS
+        assert [p.stats.totals["bytes"] for p in ps] == [half, half]
+    finally:
+        await close(ps, ds, senders, receivers)
+
+
+async def test_p_tp1_to_d_tp2_serves_both_decode_ranks_then_frees(bootstrap_url):
+    ps, ds, senders, receivers = await run_pair(bootstrap_url, p_tp=1, d_tp=2)
+    try:
+        senders[0].on_ready("p1", "x1", [[5, 6]], None)
+        senders[0].on_finished({"p1"})
+        receivers[0].on_recv("d1", RecvSpec("x1", [[20, 21]], "p0", bootstrap_url))
+        assert await receiver_results(receivers[0]) == ({"d1"}, set())
+        # One decode rank served: the prompt's blocks stay held for the other.
+        assert await finished_sending(senders[0], within=0.5) == set()
+        receivers[1].on_recv("d1", RecvSpec("x1", [[30, 31]], "p0", bootstrap_url))
+        assert await receiver_results(receivers[1]) == ({"d1"}, set())
+        assert await finished_sending(senders[0]) == {"p1"}
+        assert_heads_moved(ps, ds[:1], [5, 6], [20, 21])
+        assert_heads_moved(ps, ds[1:], [5, 6], [30, 31])
+    finally:
+        await close(ps, ds, senders, receivers)
+
+
+async def test_a_decode_rank_that_never_asks_does_not_hold_p_forever(bootstrap_url):
+    ps, ds, senders, receivers = await run_pair(bootstrap_url, p_tp=1, d_tp=2)
+    try:
+        senders[0].on_ready("p1", "x1", [[5, 6]], None)
+        senders[0].on_finished({"p1"})
+        receivers[0].on_recv("d1", RecvSpec("x1", [[20, 21]], "p0", bootstrap_url))
+        assert await receiver_results(receivers[0]) == ({"d1"}, set())
+        start = time.monotonic()
+        assert await finished_sending(senders[0], within=6) == {"p1"}  # send_timeout_s=3
+        assert time.monotonic() - start < 5
+        receivers[1].on_recv("d1", RecvSpec("x1", [[30, 31]], "p0", bootstrap_url))
+        done, failed = await receiver_results(receivers[1])
+        assert failed == {"d1"}  # too late: refused, nothing written
+        assert not ds[1].caches["model.layers.0.self_attn.attn"].any()
+    finally:
+        await close(ps, ds, senders, receivers)
+
+
+async def test_one_prefill_rank_failing_fails_the_pull_after_both_answer(bootstrap_url):
+    ps, ds, senders, receivers = await run_pair(bootstrap_url, p_tp=2, d_tp=1)
+    try:
+        senders[0].on_ready("p1", "x1", [[3, 4]], None)
+        senders[1].on_ready("p1", "x1", [[3, BLOCKS + 7]], None)  # outside rank 1's cache
+        receivers[0].on_recv("d1", RecvSpec("x1", [[10, 11]], "p0", bootstrap_url))
+        assert await receiver_results(receivers[0]) == ({"d1"}, {"d1"})
+    finally:
+        await close(ps, ds, senders, receivers)
