@@ -4,7 +4,7 @@ The seeds' scenario (Qwen3-8B: 36 layers, 8 KV heads, head_dim 128, bf16, block 
 its blocks 17..79 into D's blocks 512..574, 63 blocks = 141.75 MiB, in vLLM's CPU KV layout.
 D runs in its own process, P in another, over Mooncake TCP on loopback:
 
-- ours:   plan.build_descriptors (timed) + MooncakeTransport.write
+- ours:   descriptors.build_descriptors (timed) + MooncakeTransport.write
 - raw:    TransferEngine.batch_transfer_sync_write with hand-made descriptors, same bytes
 - memcpy: torch copy of the same bytes inside P
 
@@ -150,8 +150,8 @@ class PSide:
         ]
 
     def ours(self, src: list[int], dst: list[int]) -> None:
+        from appliance.connector.descriptors import build_descriptors
         from appliance.connector.outgoing import Outgoing
-        from appliance.connector.plan import build_descriptors
 
         t = time.perf_counter()
         descs = build_descriptors(self.p_regions, self.d_regions, src, dst)
@@ -183,7 +183,7 @@ class PSide:
     def measure(self, src: list[int], dst: list[int], reps: int, deadline: float) -> dict:
         import torch
 
-        from appliance.connector.plan import build_descriptors, split_batches
+        from appliance.connector.descriptors import build_descriptors, split_batches
 
         hand = self.hand_descriptors(src, dst)
         descs = build_descriptors(self.p_regions, self.d_regions, src, dst)

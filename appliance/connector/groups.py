@@ -5,7 +5,7 @@ each sliding window), every group with its own block table over one shared pool 
 ids; an MLA model is one group of latent caches. A request's KV is then one block list per
 group. A sliding-window layer needs only the blocks its window still covers: both sides
 keep the last `window_blocks` of the group's list, so P sends (and D asks for) no block the
-window has left, and the two lists stay right-aligned as `plan.pair_blocks` pairs them.
+window has left, and the two lists stay right-aligned as `descriptors.pair_blocks` pairs them.
 
 Pure functions over duck-typed vLLM objects (`kv_cache_config.kv_cache_groups[i]` with
 `.kv_cache_spec` and `.layer_names`), so each rule is tested without vLLM.

@@ -11,19 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from appliance.connector.plan import Descriptors, Region
+from appliance.connector.descriptors import Descriptors
 from appliance.connector.state import Transfer
 from appliance.connector.transfer import MooncakeTransport, WriteResult
-
-
-@dataclass(frozen=True)
-class Leg:
-    """One decode rank's share of a transfer: what this prefill worker writes for it."""
-
-    d_rank: int  # the decode TP rank that asked
-    pullers: int  # decode ranks that pull from this worker (1 unless D's TP is larger)
-    src: list[Region]  # P's regions, narrowed to the heads this rank gets
-    dst: list[Region]  # D's, likewise
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -25,26 +24,20 @@ import zmq.asyncio
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
 from appliance.connector import messages as m
-from appliance.connector.outgoing import Leg, Outgoing, write
-from appliance.connector.plan import (
-    LayoutMismatchError,
-    PlanError,
-    Region,
-    build_group_descriptors,
-)
+from appliance.connector.descriptors import build_group_descriptors
+from appliance.connector.ledger import Ledger
+from appliance.connector.outgoing import Outgoing, write
+from appliance.connector.plan import PlanError, Region
+from appliance.connector.registration import keep_registered
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.state import TransferState
 from appliance.connector.stats import TransferStats
-from appliance.connector.tpplan import narrow, pull_served_by, pullers_of
+from appliance.connector.tpplan import Leg, leg_for
 from appliance.connector.transfer import MooncakeTransport, TransferError
 
 log = logging.getLogger("vllm.appliance.connector.sender")
 
-# How many finished transfer ids are remembered to reject a transfer_id seen twice.
-_SEEN_IDS = 65536
-
-
-class Sender:
+class Sender(Ledger):
     def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int, dp_rank: int,
                  stats: TransferStats, thread_init: Callable[[], None] | None = None,
@@ -56,12 +49,8 @@ class Sender:
         self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
         self.total_heads = total_heads  # the model's KV heads; 0: MLA; None: unknown
         self.stats = stats
-        self.by_transfer: dict[str, Outgoing] = {}
-        self.by_req: dict[str, Outgoing] = {}
-        self._seen: OrderedDict[str, str] = OrderedDict()  # finished transfer id -> outcome
+        Ledger.__init__(self)
         self._layouts: OrderedDict[tuple[str, int], list[Region]] = OrderedDict()
-        self._finished: set[str] = set()
-        self._finished_lock = threading.Lock()
         # thread_init binds each push thread to the worker's GPU (Mooncake's copies and the
         # fence's event run there; a thread left on device 0 fails or lands on the wrong GPU
         # for TP ranks > 0).
@@ -82,7 +71,8 @@ class Sender:
         self._sock = sock
         self.side_channel_addr = f"tcp://{_zmq_host(self.host)}:{port}"
         self._tasks = [asyncio.create_task(self._listen()),
-                       asyncio.create_task(self._keep_registered()),
+                       asyncio.create_task(keep_registered(
+                           self._bootstrap, self._registration(), self.settings)),
                        asyncio.create_task(self._expire_loop())]
         return self.side_channel_addr
 
@@ -90,25 +80,6 @@ class Sender:
         return Registration(engine_id=self.settings.engine_id, addr=self.side_channel_addr,
                             dp_rank=self.dp_rank, tp_rank=self.tp_rank, pp_rank=0,
                             tp_size=self.tp_size)
-
-    async def _keep_registered(self) -> None:
-        """Register, then refresh within the sidecar's TTL; never blocks start-up."""
-        delay = 0.5
-        registered = False
-        while True:
-            try:
-                await self._bootstrap.register(self._registration())
-                if not registered:
-                    log.info("engine %s tp %d registered side channel %s at %s",
-                             self.settings.engine_id, self.tp_rank, self.side_channel_addr,
-                             self.settings.bootstrap_addr)
-                registered, delay = True, 0.5
-                await asyncio.sleep(self.settings.register_interval_s)
-            except BootstrapError as exc:
-                log.warning("bootstrap registration failed (retrying in %.1fs): %s", delay, exc)
-                registered = False
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.register_interval_s)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -204,11 +175,6 @@ class Sender:
             # else a decode node asked after all: its transfer goes on and settles itself
             # (or that node's own cancel ends it).
 
-    def take_finished(self) -> set[str]:
-        with self._finished_lock:
-            done, self._finished = self._finished, set()
-        return done
-
     # --- the side channel (seeds steps 21-22, 30) -----------------------------------------
 
     async def _listen(self) -> None:
@@ -258,7 +224,8 @@ class Sender:
                 status=m.Status.LAYOUT_MISS, failed=d_ids, layout_id=msg.layout_id)))
             return
         try:
-            leg = self._leg(msg, dst_regions)
+            leg = leg_for(self.tp_rank, self.tp_size, msg.tp_rank, msg.tp_size,
+                          self.total_heads, self.regions, dst_regions)
         except PlanError as exc:
             problem = str(exc)
             self.stats.record_failure()
@@ -268,25 +235,6 @@ class Sender:
             return
         for entry in msg.reqs:
             asyncio.create_task(self._serve(identity, msg.session_id, leg, entry))
-
-    def _leg(self, msg: m.TransferRequest, dst_regions: list[Region]) -> Leg:
-        """What this worker writes for the decode rank that sent `msg`: its share of that
-        rank's heads (all of them at equal TP), as narrowed regions on both sides."""
-        pull = pull_served_by(self.tp_rank, self.tp_size, msg.tp_rank, msg.tp_size,
-                              self.total_heads)
-        if pull is None:
-            raise PlanError(f"decode tp {msg.tp_rank}/{msg.tp_size} pulls nothing from "
-                            f"prefill tp {self.tp_rank}/{self.tp_size}")
-        if len(dst_regions) != len(self.regions):
-            raise LayoutMismatchError(f"KV layouts differ: decode has {len(dst_regions)} "
-                                      f"regions, prefill {len(self.regions)}")
-        src, dst = narrow(self.regions, dst_regions, pull)
-        if [(r.block_bytes, r.group) for r in src] != [(r.block_bytes, r.group) for r in dst]:
-            raise LayoutMismatchError(f"KV layouts differ: decode has {len(dst_regions)} "
-                                      f"regions, prefill {len(self.regions)}, or their block "
-                                      "sizes or KV-cache groups differ")
-        pullers = len(pullers_of(self.tp_rank, self.tp_size, msg.tp_size, self.total_heads))
-        return Leg(msg.tp_rank, pullers, src, dst)
 
     async def _serve(self, identity: bytes, session: str, leg: Leg,
                      entry: m.ReqEntry) -> None:
@@ -409,39 +357,6 @@ class Sender:
         if ok or failed:
             asyncio.create_task(self._reply(identity, m.TransferResponse(
                 status=m.Status.FINISH, ok=ok, failed=failed)))
-
-    # --- bookkeeping ----------------------------------------------------------------------
-
-    def _settle(self, t: Outgoing) -> None:
-        """A transfer reached a terminal state: free its blocks if the scheduler is done."""
-        if self._unlist(t):
-            self._remember(t.transfer_id, t.state.value if not t.error else t.error)
-        if t.p_req_id is None or t.scheduler_finished:
-            self._retire(t)
-
-    def _unlist(self, t: Outgoing) -> bool:
-        """Drops t from by_transfer if it is the one listed there; a refused duplicate
-        shares the transfer id of a live transfer, which stays."""
-        if self.by_transfer.get(t.transfer_id) is t:
-            del self.by_transfer[t.transfer_id]
-            return True
-        return False
-
-    def _retire(self, t: Outgoing) -> None:
-        self._unlist(t)
-        if t.p_req_id is not None and self.by_req.pop(t.p_req_id, None) is not None:
-            if t.scheduler_finished:
-                self._report(t.p_req_id)
-
-    def _report(self, req_id: str) -> None:
-        with self._finished_lock:
-            self._finished.add(req_id)
-
-    def _remember(self, transfer_id: str, outcome: str) -> None:
-        self._seen[transfer_id] = outcome
-        self._seen.move_to_end(transfer_id)
-        while len(self._seen) > _SEEN_IDS:
-            self._seen.popitem(last=False)
 
     async def _expire_loop(self) -> None:
         """P frees KV that no decode node fetched, and fails decode nodes whose prefill

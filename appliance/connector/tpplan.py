@@ -122,6 +122,35 @@ def narrow(src: list[Region], dst: list[Region], pull: Pull) -> tuple[list[Regio
     return out_src, out_dst
 
 
+@dataclass(frozen=True)
+class Leg:
+    """One decode rank's share of a transfer: what a prefill worker writes for it."""
+
+    d_rank: int  # the decode TP rank that asked
+    pullers: int  # decode ranks that pull from this worker (1 unless D's TP is larger)
+    src: list[Region]  # P's regions, narrowed to the heads this rank gets
+    dst: list[Region]  # D's, likewise
+
+
+def leg_for(p_rank: int, p_tp: int, d_rank: int, d_tp: int, total_heads: int | None,
+            src: list[Region], dst: list[Region]) -> Leg:
+    """What prefill rank `p_rank` writes for decode rank `d_rank`: its share of that rank's
+    heads (all of them at equal TP) as regions narrowed on both sides; raises PlanError
+    (the request is refused, nothing written) when the two cannot pair."""
+    pull = pull_served_by(p_rank, p_tp, d_rank, d_tp, total_heads)
+    if pull is None:
+        raise PlanError(f"decode tp {d_rank}/{d_tp} pulls nothing from prefill tp "
+                        f"{p_rank}/{p_tp}")
+    if len(dst) != len(src):
+        raise LayoutMismatchError(f"KV layouts differ: decode has {len(dst)} regions, "
+                                  f"prefill {len(src)}")
+    src_n, dst_n = narrow(src, dst, pull)
+    if [(r.block_bytes, r.group) for r in src_n] != [(r.block_bytes, r.group) for r in dst_n]:
+        raise LayoutMismatchError(f"KV layouts differ: decode has {len(dst)} regions, prefill "
+                                  f"{len(src)}, or their block sizes or KV-cache groups differ")
+    return Leg(d_rank, len(pullers_of(p_rank, p_tp, d_tp, total_heads)), src_n, dst_n)
+
+
 def head_major(shape: tuple[int, ...], strides: tuple[int, ...], elem_size: int,
                block_dim: int | None, kv_heads: int, block_bytes: int) -> int:
     """`kv_heads` when a region's `block_bytes` are that many heads one after another

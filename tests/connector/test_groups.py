@@ -11,13 +11,9 @@ import pytest
 import torch
 
 from appliance.connector import groups as g
+from appliance.connector.descriptors import build_descriptors, build_group_descriptors
 from appliance.connector.groups import NULL_BLOCK, KVGroup, UnsupportedModelError
-from appliance.connector.plan import (
-    LayoutMismatchError,
-    Region,
-    build_descriptors,
-    build_group_descriptors,
-)
+from appliance.connector.plan import LayoutMismatchError, Region
 from appliance.connector.scheduler import PDScheduler
 from appliance.connector.settings import ConnectorSettings
 from tests.connector.test_side_channel import BLOCK, BLOCKS, HEAD_DIM, HEADS, Pair

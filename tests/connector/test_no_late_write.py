@@ -144,7 +144,7 @@ async def test_a_write_that_completes_after_the_deadline_is_still_used(bootstrap
 
 def test_transport_stops_between_batches(pair):
     """The transport asks before every batch, the first included."""
-    from appliance.connector.plan import Descriptors
+    from appliance.connector.descriptors import Descriptors
 
     descs = Descriptors([0, 0], [0, 0], [1, 1])
     with pytest.raises(WriteStopped, match="before batch 1/2: nope"):

@@ -7,22 +7,24 @@ import random
 
 import pytest
 
-from appliance.connector import plan
+from appliance.connector import descriptors, plan
+from appliance.connector.descriptors import (
+    Descriptors,
+    block_runs,
+    build_descriptors,
+    pair_blocks,
+    split_batches,
+)
 from appliance.connector.plan import (
     BlockCountError,
     BlockRangeError,
-    Descriptors,
     LayoutError,
     LayoutMismatchError,
     PlanError,
     Region,
     TensorInfo,
-    block_runs,
-    build_descriptors,
-    pair_blocks,
     regions_from_layout,
     registration_spans,
-    split_batches,
 )
 
 MiB = 1 << 20
@@ -467,7 +469,7 @@ def test_split_batches(n: int, limit: int, sizes: list[int]) -> None:
 
 def test_split_batches_default_and_bad_limit() -> None:
     assert [len(b) for b in split_batches(_descs(3000))] == [1024, 1024, 952]
-    assert plan.MAX_BATCH_DESCS == 1024
+    assert descriptors.MAX_BATCH_DESCS == 1024
     with pytest.raises(ValueError):
         split_batches(_descs(3), 0)
 

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.connector.plan import (
-    LayoutMismatchError,
-    PlanError,
-    Region,
-    TensorInfo,
-    build_descriptors,
-)
+from appliance.connector.descriptors import build_descriptors
+from appliance.connector.plan import LayoutMismatchError, PlanError, Region, TensorInfo
 from appliance.connector.tpplan import (
     Pull,
     head_major,

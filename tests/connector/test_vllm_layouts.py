@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from appliance.connector.plan import build_descriptors  # noqa: E402
+from appliance.connector.descriptors import build_descriptors  # noqa: E402
 from appliance.connector.worker import kv_regions  # noqa: E402
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD = 3, 10, 4, 16, 32
@@ -84,3 +84,27 @@ def test_the_connectors_layout_coalesces_to_one_descriptor_per_layer() -> None:
     assert len(p_regions) == LAYERS
     descs = build_descriptors(p_regions, d_regions, [2, 3, 4, 5], [6, 7, 8, 9])
     assert len(descs) == LAYERS and set(descs.lengths) == {4 * HEADS * BLOCK * 2 * HEAD * 2}
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+def test_head_slices_for_a_different_tp_cover_exactly_those_heads(layout) -> None:
+    """P and D of different TP move a slice of each block's heads (tpplan.narrow). Layouts
+    with heads outermost in a page (LBHNC, what the connector asks for, and BLHNC) are
+    sliceable, and a slice is exactly vLLM's bytes of those heads; the others say so."""
+    from appliance.connector.tpplan import Pull, narrow
+
+    raw, caches = vllm_views(layout, None)
+    regions, _ = kv_regions(caches, BLOCKS, None, HEADS)
+    if layout not in (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC):
+        assert all(r.heads == 0 for r in regions)
+        return
+    assert all(r.heads == HEADS for r in regions)
+    src, _ = narrow(regions, regions, Pull(0, p_offset=1, d_offset=1, heads=2))
+    base = raw.data_ptr()
+    for li, name in enumerate(NAMES):
+        raw.zero_()
+        caches[name][5, 1:3].view(torch.int8).fill_(1)  # heads 1 and 2 of block 5
+        r = src[li]
+        start = r.base_addr - base + 5 * r.block_stride
+        assert set(torch.nonzero(raw).flatten().tolist()) == set(range(start,
+                                                                       start + r.block_bytes))

@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from appliance.connector.descriptors import build_descriptors
 from appliance.connector.outgoing import write as _write
-from appliance.connector.plan import build_descriptors, registration_spans
+from appliance.connector.plan import registration_spans
 from appliance.connector.transfer import MooncakeTransport
 from appliance.connector.worker import compute_fence, kv_regions
 from tests.connector.conftest import bootstrap_url  # noqa: F401 - a fixture
