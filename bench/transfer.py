@@ -12,6 +12,7 @@ Each configuration (MC_TCP_SLICE_SIZE unset / 1 MiB) gets fresh engines. Also a 
 case: random, mostly non-consecutive block tables (one descriptor per block and region).
 Usage: .venv/bin/python bench/transfer.py [--reps 7] [--layers 36] [--blocks 63]
        [--device cuda]  (on a GPU host: both caches in GPU memory; memcpy is a GPU gather)
+       bench/transfer.py --model all  (MLA, sliding window, TP 1->2 and 2->1: bench/kvcases)
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvcases import CASES, report  # noqa: E402
 
 MiB = 1 << 20
 
@@ -305,7 +309,12 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true", help="pin P to core 0 and D to core 1")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where both KV caches live (cuda needs Mooncake's CUDA build)")
+    ap.add_argument("--model", action="append", choices=["all", *CASES],
+                    help="model shapes instead (bench/kvcases.py), each against raw Mooncake")
     args = ap.parse_args()
+    if args.model:
+        report(list(CASES) if "all" in args.model else args.model, args.reps)
+        return
     from rich.console import Console
     from rich.table import Table
 

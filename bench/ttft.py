@@ -4,6 +4,7 @@ Mooncake over TCP loopback, the larger-KV tiny model: 48 KiB of KV per token).
 
     .venv/bin/python bench/ttft.py [--sizes 128,512,2000] [--repeats 5] [--concurrency 1,4]
         [--compare-late] [--compare-immediate] [--skip-builtin] [--skip-appliance]
+        [--model kvbench|mla]
 
 Setups: "ours" and "builtin" are driven the way vLLM's example proxy drives a connector (P
 and D at once, D gives the first token); "appliance" is our proxy in front of ours' servers
@@ -48,6 +49,7 @@ FLAGS = ("--enforce-eager", "--kv-cache-memory-bytes", KV_BYTES)
 # vLLM's workers busy-poll for 1 s after their last step; wait that out between turns so
 # one setup's idle servers never compete with the next setup's measurement.
 SETTLE_S = 1.5
+SERVED = "bench"  # the served model name, whichever tiny model runs
 console = Console(stderr=True)
 
 
@@ -79,7 +81,7 @@ class Setup:
 
 def serve(name: str, model: Path, port: int, cpus: tuple[int, ...], log_dir: Path,
           kv_config: dict | None = None, env: dict | None = None) -> ServiceProcess:
-    argv = vllm_serve_argv(model, port, served_model_name="kvbench", block_size=32,
+    argv = vllm_serve_argv(model, port, served_model_name=SERVED, block_size=32,
                            max_model_len=4096, extra=FLAGS,
                            kv_transfer_config=json.dumps(kv_config) if kv_config else None)
     return ServiceProcess(name, argv, log_dir / f"{name}.log",
@@ -192,7 +194,7 @@ async def token_seconds(http: aiohttp.ClientSession, url: str, body: dict) -> Ti
 
 
 async def one_request(http: aiohttp.ClientSession, setup: Setup, prompt: list[int]) -> Times:
-    body = {"model": "kvbench", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 2, "temperature": 0,
             "ignore_eos": True, "stream": True}
     if setup.plain_url or setup.proxy_url:
         return await token_seconds(http, setup.plain_url or setup.proxy_url, body)
@@ -295,13 +297,16 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=60.0,
                         help="seconds after which a request without a first token is stuck")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-ttft"))
+    parser.add_argument("--model", choices=["kvbench", "mla"], default="kvbench",
+                        help="the tiny model: kvbench (GQA, 48 KiB of KV per token) or mla "
+                        "(DeepSeek-style latent, float32, blocks of 16)")
     args = parser.parse_args()
     # A kill (timeout, Ctrl-C from a wrapper) still stops every server: they run in their
     # own sessions and would outlive us.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [int(x) for x in args.sizes.split(",")]
     conc = [int(x) for x in args.concurrency.split(",")]
-    model = tinymodel.build(ROOT / ".cache" / "models" / "kvbench", "kvbench")
+    model = tinymodel.build(ROOT / ".cache" / "models" / args.model, args.model)
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
     makers = [plain_setup, ours_setup]
@@ -331,7 +336,7 @@ def main() -> None:
         for setup in reversed(started):
             setup.stop()
 
-    kv_per_token = tinymodel.SIZES["kvbench"].kv_bytes_per_token()
+    kv_per_token = tinymodel.SIZES[args.model].kv_bytes_per_token()
     names = [s.name for s in setups if s.name != "plain"]
     for which, title in ((0, "Time to first token"), (1, "Time to second token")):
         table = Table(title=f"{title} (median ms); added = setup - plain, same run")

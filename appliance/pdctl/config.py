@@ -88,6 +88,10 @@ class ModelSection(_Section):
     path: str
     served_name: str | None = None
     tp_size: int = Field(1, ge=1, le=16)
+    # P and D may differ in TP (each decode rank pulls its KV heads from the prefill ranks
+    # holding them); unset, each is tp_size.
+    prefill_tp_size: int | None = Field(None, ge=1, le=16)
+    decode_tp_size: int | None = Field(None, ge=1, le=16)
     # Default: 16 on the GPU stack, 32 on the CPU stack.
     block_size: Literal[16, 32, 64, 128] | None = None
     max_model_len: int | None = Field(None, ge=16)
@@ -96,6 +100,12 @@ class ModelSection(_Section):
     # few requests of max_model_len tokens; see appliance.kvbudget).
     kv_cache_bytes: int | None = Field(None, ge=1 << 20)
     extra_args: list[str] = Field(default_factory=list)
+
+    def tp(self, role: str) -> int:
+        """TP size of "prefill" or "decode"."""
+        own = self.prefill_tp_size if role == "prefill" else self.decode_tp_size
+        return own or self.tp_size
+
     prefill_extra_args: list[str] = Field(default_factory=list)
     decode_extra_args: list[str] = Field(default_factory=list)
 
@@ -297,10 +307,10 @@ class HostConfig(_Section):
                 out.append(f"gpus.decode: GPU {gpu} is also in gpus.prefill (P and D need "
                            f"GPUs of their own)")
         for role in ("prefill", "decode"):
-            n = len(getattr(self.gpus, role))
-            if n != self.model.tp_size:
-                out.append(f"gpus.{role}: {n} GPU{'s' if n != 1 else ''} for model.tp_size "
-                           f"{self.model.tp_size} (give exactly tp_size GPUs)")
+            n, tp = len(getattr(self.gpus, role)), self.model.tp(role)
+            if n != tp:
+                out.append(f"gpus.{role}: {n} GPU{'s' if n != 1 else ''} for a {role} TP "
+                           f"size of {tp} (give exactly that many GPUs)")
         if self.model.kv_cache_bytes is not None:
             out.append("model.kv_cache_bytes: only for stack \"cpu\" (on GPUs vLLM sizes the "
                        "KV cache from model.gpu_memory_utilization)")

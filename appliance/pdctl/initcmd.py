@@ -48,6 +48,10 @@ def _ints(value: str | None, what: str = "GPU") -> list[int] | None:
 @click.option("--kv-cache-bytes", type=click.IntRange(1 << 20), help="stack cpu: KV cache "
               "per server (default: sized from the model and max-model-len)")
 @click.option("--tp-size", type=click.IntRange(1, 16), default=1, show_default=True)
+@click.option("--prefill-tp-size", type=click.IntRange(1, 16),
+              help="P's TP size when it differs from D's (default: --tp-size)")
+@click.option("--decode-tp-size", type=click.IntRange(1, 16),
+              help="D's TP size when it differs from P's (default: --tp-size)")
 @click.option("--protocol", type=click.Choice(["rdma", "tcp"]),
               help="KV transport (default: rdma when an RDMA port is ACTIVE, else tcp)")
 @click.option("--rdma-device", help="RDMA device (default: the first with an ACTIVE port)")
@@ -65,7 +69,7 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
          host_ip: str | None, stack: str | None, prefill_gpus: str | None,
          decode_gpus: str | None, prefill_cpus: str | None, decode_cpus: str | None,
          max_model_len: int | None, kv_cache_bytes: int | None, tp_size: int,
-         protocol: str | None, rdma_device: str | None, gpudirect: str | None,
+         prefill_tp_size: int | None, decode_tp_size: int | None, protocol: str | None, rdma_device: str | None, gpudirect: str | None,
          proxy_port: int | None, prefill_port: int | None, decode_port: int | None,
          bootstrap_port: int | None, force: bool, no_input: bool) -> None:
     """Detect this host's GPUs (or CPUs), RDMA devices and address, and write its config."""
@@ -106,7 +110,8 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
             raise PdctlError("could not detect this host's address; pass --host-ip", USAGE)
     model: dict[str, Any] = {"path": model_path, "tp_size": tp_size}
     for key, value in (("served_name", served_name), ("max_model_len", max_model_len),
-                       ("kv_cache_bytes", kv_cache_bytes)):
+                       ("kv_cache_bytes", kv_cache_bytes), ("prefill_tp_size", prefill_tp_size),
+                       ("decode_tp_size", decode_tp_size)):
         if value is not None:
             model[key] = value
     data: dict[str, Any] = {
@@ -123,8 +128,8 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
     if ports:
         data["ports"] = ports
     if stack == "gpu":
-        p = _ints(prefill_gpus) or list(range(tp_size))
-        d = _ints(decode_gpus) or list(range(len(p), len(p) + tp_size))
+        p = _ints(prefill_gpus) or list(range(prefill_tp_size or tp_size))
+        d = _ints(decode_gpus) or list(range(len(p), len(p) + (decode_tp_size or tp_size)))
         data["gpus"] = {"prefill": p, "decode": d}
         placed = f"P GPUs {p}, D GPUs {d}"
     else:

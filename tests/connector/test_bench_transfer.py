@@ -37,3 +37,17 @@ def test_bench_transfer_runs() -> None:
         check=True,
     ).stdout
     assert "ours/raw" in out and "fragmented" in out and "memcpy" in out
+
+
+@pytest.mark.slow
+def test_bench_transfer_model_shapes_run() -> None:
+    """MLA, sliding window and both TP plans against raw Mooncake (each asserts inside that
+    its descriptors move exactly the bytes written out by hand)."""
+    pytest.importorskip("mooncake.engine")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transfer.py"), "--model", "all", "--reps", "1"],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout
+    for case in ("mla", "sliding", "tp1-2", "tp2-1"):
+        assert case in out
+    assert "ours/raw" in out

@@ -57,3 +57,32 @@ async def test_tp2_equals_a_tp2_server_alone(tp_node, length):
     assert text == text_of(expected)
     sent = writes(tp_node, f"xfer-{rid}")
     assert len(sent) == 2 and sent[0] == sent[1] > 0  # each rank its half of the heads
+
+
+@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["p1-d2", "p2-d1"])
+def hetero_node(request, tiny_model, tmp_path_factory):
+    """P and D of different TP sizes (vLLM's MooncakeConnector pairs them since vllm#36869):
+    each decode rank pulls its heads from the prefill ranks that hold them."""
+    p_tp, d_tp = request.param
+    with running_node(tiny_model, tmp_path_factory.mktemp(f"tp{p_tp}-{d_tp}-node"),
+                      timeout=900, proxy_port=free_port(), prefill_cpus=(0, 1, 2, 3),
+                      decode_cpus=(4, 5, 6, 7),
+                      prefill_args=("--tensor-parallel-size", str(p_tp)),
+                      decode_args=("--tensor-parallel-size", str(d_tp)),
+                      extra_env={"VLLM_CPU_OMP_THREADS_BIND": "auto"}) as node:
+        yield node, p_tp, d_tp
+
+
+@pytest.mark.parametrize("length", [5, 64, 300])
+async def test_different_tp_on_p_and_d_moves_every_head(hetero_node, length):
+    node, p_tp, d_tp = hetero_node
+    body = {"model": "tiny", "prompt": token_prompt(length, seed=500 + length),
+            "max_tokens": 10, "temperature": 0}
+    # D computes every token after P's KV with its own TP: D alone is the reference.
+    expected = await plain_request(node.spec.decode_url, "/v1/completions", body)
+    rid, _, text = await stream_through_proxy(node, "/v1/completions", {**body, "stream": True})
+    assert text == text_of(expected)
+    sent = writes(node, f"xfer-{rid}")
+    # P TP=1 -> D TP=2: one prefill rank writes each decode rank its half; P TP=2 -> D TP=1:
+    # each prefill rank writes its half into the one decode rank. Two equal writes either way.
+    assert len(sent) == 2 and sent[0] == sent[1] > 0

@@ -35,6 +35,18 @@ def test_init_tp2_and_explicit_values(pdctl, tmp_path, host, runner):
     assert cfg.transfer.device == ""
 
 
+def test_init_p_and_d_of_different_tp(pdctl, tmp_path, host, runner):
+    runner.answer(["nvidia-smi"], "".join(f"{i}, NVIDIA H100, 0000:{i:02x}:00.0, 81559\n"
+                                          for i in range(4)))
+    out = tmp_path / "host.toml"
+    res = pdctl("init", "--out", str(out), "--model", "/models/qwen", "--prefill-tp-size", "1",
+                "--decode-tp-size", "2", "--host-ip", "10.1.2.3", "--protocol", "tcp")
+    assert res.exit_code == 0, res.output
+    cfg = load_config(out)
+    assert (cfg.gpus.prefill, cfg.gpus.decode) == ([0], [1, 2])
+    assert (cfg.model.tp("prefill"), cfg.model.tp("decode")) == (1, 2)
+
+
 def test_init_without_active_rdma_port_picks_tcp(pdctl, tmp_path, host):
     host.port_down()
     out = tmp_path / "host.toml"

@@ -305,3 +305,15 @@ def test_systemd_analyze_check_catches_a_bad_unit(tmp_path):
         "TimeoutStopSec=180", "TimeoutStopSec=180\nRestartPolicy=sometimes")
     res = verify_unit(tmp_path, unit)
     assert "Unknown key" in res.stderr
+
+
+def test_p_and_d_of_different_tp(render, runner):
+    """P TP=2, D TP=1: each server gets its own --tensor-parallel-size and GPU count."""
+    runner.answer(["nvidia-smi"], "".join(f"{i}, NVIDIA H100, 0000:{i:02x}:00.0, 81559\n"
+                                          for i in range(3)))
+    toml = GOOD_TOML.replace("prefill = [0]", "prefill = [0, 1]").replace(
+        "decode = [1]", "decode = [2]").replace(
+        'path = "/models/qwen"', 'path = "/models/qwen"\nprefill_tp_size = 2')
+    s = resolved(render(toml))["services"]
+    assert flag(s["prefill"]["command"], "--tensor-parallel-size") == "2"
+    assert flag(s["decode"]["command"], "--tensor-parallel-size") == "1"
