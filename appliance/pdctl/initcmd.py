@@ -69,7 +69,8 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
          host_ip: str | None, stack: str | None, prefill_gpus: str | None,
          decode_gpus: str | None, prefill_cpus: str | None, decode_cpus: str | None,
          max_model_len: int | None, kv_cache_bytes: int | None, tp_size: int,
-         prefill_tp_size: int | None, decode_tp_size: int | None, protocol: str | None, rdma_device: str | None, gpudirect: str | None,
+         prefill_tp_size: int | None, decode_tp_size: int | None, protocol: str | None,
+         rdma_device: str | None, gpudirect: str | None,
          proxy_port: int | None, prefill_port: int | None, decode_port: int | None,
          bootstrap_port: int | None, force: bool, no_input: bool) -> None:
     """Detect this host's GPUs (or CPUs), RDMA devices and address, and write its config."""
