@@ -67,14 +67,21 @@ class ModelSpec:
     # views wrongly (the same token gets another k_pe alone than inside a batch), so prefill
     # and decode would disagree and no parity test could pass.
     rope_yarn_factor: float = 0.0
-    # vLLM serves a checkpoint in its stored dtype. MLA's prefill (SDPA) and decode (the
-    # absorbed latent kernel) round differently in bf16, and this random model's logits are
-    # flat enough that 1 in 25 greedy tokens flips; in float32 the two paths agree.
+    # MLA's prefill (SDPA) and decode (the absorbed latent kernel) round differently in
+    # bf16, and this random model's logits are flat enough that 1 in 25 greedy tokens flips;
+    # in float32 the two paths agree. vLLM's `--dtype auto` serves a float32 checkpoint in
+    # bf16, so it is served with `serve_args`.
     dtype: str = "bfloat16"
 
     @property
     def elem_size(self) -> int:
         return 4 if self.dtype == "float32" else 2
+
+    @property
+    def serve_args(self) -> tuple[str, ...]:
+        """vLLM flags to serve it as stored: vLLM's `--dtype auto` turns a float32
+        checkpoint into bf16."""
+        return ("--dtype", self.dtype) if self.dtype == "float32" else ()
 
     def kv_bytes_per_token(self) -> int:
         elem_size = self.elem_size

@@ -201,22 +201,25 @@ def p_main(conn: Connection, case: Case, reps: int) -> None:
     transport.close()
 
 
-def run_case(case: Case, reps: int) -> dict:
+def run_pd(d_target: Any, d_args: tuple, p_target: Any, p_args: tuple,
+           p_timeout: float) -> Any:
+    """D and P in processes of their own: D publishes (session, regions), P gets them,
+    measures and sends its result back; both are stopped whatever happens."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     d_conn, d_child = ctx.Pipe()
     p_conn, p_child = ctx.Pipe()
-    d = ctx.Process(target=d_main, args=(d_child, case), daemon=True)
-    p = ctx.Process(target=p_main, args=(p_child, case, reps), daemon=True)
+    d = ctx.Process(target=d_target, args=(d_child, *d_args), daemon=True)
+    p = ctx.Process(target=p_target, args=(p_child, *p_args), daemon=True)
     try:
         d.start()
         p.start()
         if not d_conn.poll(60):
             raise SystemExit("D did not start")
         p_conn.send(d_conn.recv())
-        if not p_conn.poll(300):
+        if not p_conn.poll(p_timeout):
             raise SystemExit("P did not finish")
         return p_conn.recv()
     finally:
@@ -225,6 +228,10 @@ def run_case(case: Case, reps: int) -> dict:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+
+
+def run_case(case: Case, reps: int) -> dict:
+    return run_pd(d_main, (case,), p_main, (case, reps), 300)
 
 
 def report(names: list[str], reps: int) -> None:

@@ -18,7 +18,6 @@ Usage: .venv/bin/python bench/transfer.py [--reps 7] [--layers 36] [--blocks 63]
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import random
 import statistics
@@ -32,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvcases import CASES, report  # noqa: E402
+from kvcases import CASES, report, run_pd  # noqa: E402
 
 MiB = 1 << 20
 
@@ -255,33 +254,16 @@ def p_main(
 def run_config(
     shape: Shape, reps: int, slice_size: str | None, budget_s: float, pinned: bool
 ) -> dict:
-    ctx = mp.get_context("spawn")
     saved = os.environ.get("MC_TCP_SLICE_SIZE")
     if slice_size is None:
         os.environ.pop("MC_TCP_SLICE_SIZE", None)
     else:
         os.environ["MC_TCP_SLICE_SIZE"] = slice_size
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    d_conn, d_child = ctx.Pipe()
-    p_conn, p_child = ctx.Pipe()
     cores = (0, 1) if pinned else (None, None)  # P on core 0, D on core 1
-    d = ctx.Process(target=d_main, args=(d_child, shape, cores[1]), daemon=True)
-    p = ctx.Process(target=p_main, args=(p_child, shape, reps, budget_s, cores[0]), daemon=True)
     try:
-        d.start()
-        p.start()
-        if not d_conn.poll(60):
-            raise SystemExit("D did not start")
-        p_conn.send(d_conn.recv())
-        if not p_conn.poll(budget_s + 120):
-            raise SystemExit("P did not finish")
-        return p_conn.recv()
+        return run_pd(d_main, (shape, cores[1]), p_main, (shape, reps, budget_s, cores[0]),
+                      budget_s + 120)
     finally:
-        d_conn.send("exit")
-        for proc in (p, d):
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
         if saved is None:
             os.environ.pop("MC_TCP_SLICE_SIZE", None)
         else:

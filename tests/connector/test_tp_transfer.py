@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import asynccontextmanager
 
 import torch
 
@@ -60,7 +61,17 @@ def settings(url: str, engine: str, role: str) -> ConnectorSettings:
                              cancel_grace_s=1)
 
 
-async def run_pair(url: str, p_tp: int, d_tp: int):
+@asynccontextmanager
+async def tp_pair(url: str, p_tp: int, d_tp: int):
+    """Sides, senders and receivers of a P of `p_tp` ranks and a D of `d_tp`, closed after."""
+    parts = await start_pair(url, p_tp, d_tp)
+    try:
+        yield parts
+    finally:
+        await close(*parts)
+
+
+async def start_pair(url: str, p_tp: int, d_tp: int):
     ps = [RankSide(r, p_tp, True) for r in range(p_tp)]
     ds = [RankSide(r, d_tp, False) for r in range(d_tp)]
     senders = [Sender(settings(url, "p0", "producer"), ps[r].transport, ps[r].regions,
@@ -108,9 +119,16 @@ async def finished_sending(sender: Sender, within: float = 5) -> set[str]:
     return set()
 
 
+async def prefill_then_decode_rank_0(url: str, sender: Sender, receiver: Receiver) -> None:
+    """P's prompt in blocks 5, 6 is computed and finished; decode rank 0 pulls into 20, 21."""
+    sender.on_ready("p1", "x1", [[5, 6]], None)
+    sender.on_finished({"p1"})
+    receiver.on_recv("d1", RecvSpec("x1", [[20, 21]], "p0", url))
+    assert await receiver_results(receiver) == ({"d1"}, set())
+
+
 async def test_p_tp2_to_d_tp1_pulls_each_half_from_its_rank(bootstrap_url):
-    ps, ds, senders, receivers = await run_pair(bootstrap_url, p_tp=2, d_tp=1)
-    try:
+    async with tp_pair(bootstrap_url, 2, 1) as (ps, ds, senders, receivers):
         for s in senders:
             s.on_ready("p1", "x1", [[3, 4, 9]], None)
             s.on_finished({"p1"})
@@ -121,17 +139,11 @@ async def test_p_tp2_to_d_tp1_pulls_each_half_from_its_rank(bootstrap_url):
             assert await finished_sending(s) == {"p1"}
         half = 3 * BLOCK * 2 * HEAD_DIM * 2 * (TOTAL_HEADS // 2) * LAYERS
         assert [p.stats.totals["bytes"] for p in ps] == [half, half]
-    finally:
-        await close(ps, ds, senders, receivers)
 
 
 async def test_p_tp1_to_d_tp2_serves_both_decode_ranks_then_frees(bootstrap_url):
-    ps, ds, senders, receivers = await run_pair(bootstrap_url, p_tp=1, d_tp=2)
-    try:
-        senders[0].on_ready("p1", "x1", [[5, 6]], None)
-        senders[0].on_finished({"p1"})
-        receivers[0].on_recv("d1", RecvSpec("x1", [[20, 21]], "p0", bootstrap_url))
-        assert await receiver_results(receivers[0]) == ({"d1"}, set())
+    async with tp_pair(bootstrap_url, 1, 2) as (ps, ds, senders, receivers):
+        await prefill_then_decode_rank_0(bootstrap_url, senders[0], receivers[0])
         # One decode rank served: the prompt's blocks stay held for the other.
         assert await finished_sending(senders[0], within=0.5) == set()
         receivers[1].on_recv("d1", RecvSpec("x1", [[30, 31]], "p0", bootstrap_url))
@@ -139,17 +151,11 @@ async def test_p_tp1_to_d_tp2_serves_both_decode_ranks_then_frees(bootstrap_url)
         assert await finished_sending(senders[0]) == {"p1"}
         assert_heads_moved(ps, ds[:1], [5, 6], [20, 21])
         assert_heads_moved(ps, ds[1:], [5, 6], [30, 31])
-    finally:
-        await close(ps, ds, senders, receivers)
 
 
 async def test_a_decode_rank_that_never_asks_does_not_hold_p_forever(bootstrap_url):
-    ps, ds, senders, receivers = await run_pair(bootstrap_url, p_tp=1, d_tp=2)
-    try:
-        senders[0].on_ready("p1", "x1", [[5, 6]], None)
-        senders[0].on_finished({"p1"})
-        receivers[0].on_recv("d1", RecvSpec("x1", [[20, 21]], "p0", bootstrap_url))
-        assert await receiver_results(receivers[0]) == ({"d1"}, set())
+    async with tp_pair(bootstrap_url, 1, 2) as (ps, ds, senders, receivers):
+        await prefill_then_decode_rank_0(bootstrap_url, senders[0], receivers[0])
         start = time.monotonic()
         assert await finished_sending(senders[0], within=6) == {"p1"}  # send_timeout_s=3
         assert time.monotonic() - start < 5
@@ -157,16 +163,11 @@ async def test_a_decode_rank_that_never_asks_does_not_hold_p_forever(bootstrap_u
         done, failed = await receiver_results(receivers[1])
         assert failed == {"d1"}  # too late: refused, nothing written
         assert not ds[1].caches["model.layers.0.self_attn.attn"].any()
-    finally:
-        await close(ps, ds, senders, receivers)
 
 
 async def test_one_prefill_rank_failing_fails_the_pull_after_both_answer(bootstrap_url):
-    ps, ds, senders, receivers = await run_pair(bootstrap_url, p_tp=2, d_tp=1)
-    try:
+    async with tp_pair(bootstrap_url, 2, 1) as (ps, ds, senders, receivers):
         senders[0].on_ready("p1", "x1", [[3, 4]], None)
         senders[1].on_ready("p1", "x1", [[3, BLOCKS + 7]], None)  # outside rank 1's cache
         receivers[0].on_recv("d1", RecvSpec("x1", [[10, 11]], "p0", bootstrap_url))
         assert await receiver_results(receivers[0]) == ({"d1"}, {"d1"})
-    finally:
-        await close(ps, ds, senders, receivers)

@@ -57,8 +57,10 @@ def setup(request, tmp_path_factory):
     family = FAMILIES[request.param]
     model = tinymodel.build(MODEL_CACHE / family.size, family.size)
     logs = tmp_path_factory.mktemp(f"models-{family.size}")
-    with running_plain_server(model, "tiny", logs / "plain") as plain, \
-            running_node(model, logs / "node", proxy_port=free_port()) as node:
+    serve = tinymodel.SIZES[family.size].serve_args  # float32 stays float32
+    with running_plain_server(model, "tiny", logs / "plain", extra=serve) as plain, \
+            running_node(model, logs / "node", proxy_port=free_port(), prefill_args=serve,
+                         decode_args=serve) as node:
         yield Setup(family, node, plain)
 
 
