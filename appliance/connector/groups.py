@@ -24,7 +24,7 @@ NULL_BLOCK = 0
 # Spec classes (vLLM's kv_cache_interface) whose KV is plain per-token pages, moved block by
 # block. Anything else (Mamba / linear-attention state, chunked local attention, cross- or
 # encoder-only attention, sparse caches) is refused at start-up by name.
-_FULL = {"FullAttentionSpec", "MLAAttentionSpec", "SinkFullAttentionSpec"}
+_FULL = {"FullAttentionSpec", "MLAAttentionSpec"}
 _WINDOW = {"SlidingWindowSpec", "SlidingWindowMLASpec"}
 
 
@@ -92,6 +92,8 @@ _FEATURE = {
     "EncoderOnlyAttentionSpec": "encoder-only attention",
     "CircularBufferSpec": "a circular-buffer sliding window",
     "RSWASpec": "a retained sliding window",
+    # Its sink blocks are the manager's own, not the request's prompt: unverified, refused.
+    "SinkFullAttentionSpec": "static attention-sink blocks",
 }
 
 

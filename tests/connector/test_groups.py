@@ -41,7 +41,8 @@ def test_full_mla_and_sliding_groups_are_moved():
 
 @pytest.mark.parametrize(("kind", "feature"), [
     ("MambaSpec", "Mamba"), ("ChunkedLocalAttentionSpec", "chunked local attention"),
-    ("CrossAttentionSpec", "cross-attention"), ("SomethingNewSpec", "this cache kind")])
+    ("CrossAttentionSpec", "cross-attention"), ("SinkFullAttentionSpec", "attention-sink"),
+    ("SomethingNewSpec", "this cache kind")])
 def test_unsupported_groups_are_refused_by_name(kind, feature):
     with pytest.raises(UnsupportedModelError, match=f"group 1 is {kind}.*{feature}"):
         g.kv_groups(config(spec("FullAttentionSpec"), spec(kind)))
