@@ -188,6 +188,11 @@ def build(out_dir: Path, size: str = "tiny", force: bool = False) -> Path:
     return out_dir
 
 
+def spec_of(model_dir: Path) -> ModelSpec:
+    """The spec a built model directory was made from (its stamp)."""
+    return SIZES[json.loads((Path(model_dir) / STAMP).read_text())["spec"]["name"]]
+
+
 def _config(spec: ModelSpec, vocab: int, tokenizer: Any) -> tuple[Any, Any]:
     """The Hugging Face config and model class of a spec."""
     common = dict(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from appliance.connector.groups import window_blocks
 from appliance.connector.tpplan import Pull
 
 
@@ -41,7 +42,7 @@ class Case:
 
     @property
     def window_blocks(self) -> int:
-        return -(-self.window // self.block) + 1 if self.window else 0
+        return window_blocks(self.window, self.block) if self.window else 0
 
     def group(self, layer: int) -> int:
         return layer % 2 if self.window else 0

@@ -81,9 +81,9 @@ class Setup:
 
 def serve(name: str, model: Path, port: int, cpus: tuple[int, ...], log_dir: Path,
           kv_config: dict | None = None, env: dict | None = None) -> ServiceProcess:
-    spec = tinymodel.SIZES[json.loads((model / tinymodel.STAMP).read_text())["spec"]["name"]]
     argv = vllm_serve_argv(model, port, served_model_name=SERVED, block_size=32,
-                           max_model_len=4096, extra=(*FLAGS, *spec.serve_args),
+                           max_model_len=4096,
+                           extra=(*FLAGS, *tinymodel.spec_of(model).serve_args),
                            kv_transfer_config=json.dumps(kv_config) if kv_config else None)
     return ServiceProcess(name, argv, log_dir / f"{name}.log",
                           env={**cpu_env(",".join(map(str, cpus))), **(env or {})},

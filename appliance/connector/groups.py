@@ -37,10 +37,13 @@ class KVGroup:
     block_size: int  # tokens per block
     window_blocks: int = 0  # blocks a sliding-window layer still needs; 0: full attention
 
-    def needed(self, block_ids: Sequence[int]) -> list[int]:
-        """The blocks of a request that must move: all of them for full attention, the
-        window's for a sliding window (without the null placeholders before it)."""
+    def needed(self, block_ids: Sequence[int], tokens: int | None = None) -> list[int]:
+        """The blocks of a request that must move: all of them (those covering the first
+        `tokens`, when given) for full attention, the window's for a sliding window (without
+        the null placeholders before it)."""
         ids = list(block_ids)
+        if tokens is not None:
+            ids = ids[:-(-tokens // self.block_size)]
         if self.window_blocks:
             ids = ids[-self.window_blocks:]
         start = 0
@@ -103,10 +106,11 @@ def layer_groups(kv_cache_config: Any) -> dict[str, int]:
             for name in group.layer_names}
 
 
-def needed_blocks(groups: Sequence[KVGroup], block_ids: Sequence[Sequence[int]]
-                  ) -> list[list[int]]:
-    """Per group, the blocks that must move (see KVGroup.needed)."""
+def needed_blocks(groups: Sequence[KVGroup], block_ids: Sequence[Sequence[int]],
+                  tokens: int | None = None) -> list[list[int]]:
+    """Per group, the blocks that must move (see KVGroup.needed): what P sends and what D
+    asks for, by the same rule on both sides."""
     if len(block_ids) != len(groups):
         raise ValueError(f"block ids for {len(block_ids)} KV-cache groups, the model has "
                          f"{len(groups)}")
-    return [g.needed(ids) for g, ids in zip(groups, block_ids, strict=True)]
+    return [g.needed(ids, tokens) for g, ids in zip(groups, block_ids, strict=True)]

@@ -41,9 +41,8 @@ class Incoming(Transfer):
     d_req_id: str = ""
     spec: RecvSpec | None = None
     deadline: float = 0.0
-    # The producer workers asked (side-channel addresses): one, or with P's TP larger than
-    # ours each one holding some of our heads; and those that have not answered yet.
-    peers: list[str] = field(default_factory=list)
+    # The producer workers asked (side-channel addresses) that have not answered yet: one,
+    # or with P's TP larger than ours each one holding some of our heads.
     waiting: set[str] = field(default_factory=set)
     failure: str | None = None  # a producer's failure, once the others have answered
     # Given up on (aborted, or past its deadline) while the producer may be writing into
@@ -162,7 +161,7 @@ class Receiver:
             for addr in addrs:
                 await self._send_cancel(addr, m.CancelEntry.release(inc.transfer_id))
             return
-        inc.peers, inc.waiting = addrs, set(addrs)
+        inc.waiting = set(addrs)
         inc.advance(TransferState.WAITING_FOR_INPUT, d_req=inc.d_req_id, peer=",".join(addrs))
         for addr in addrs:
             await self._send_request(inc, addr, with_layout=False)
@@ -335,7 +334,8 @@ class Receiver:
                 elif now > inc.deadline:
                     why = (f"no KV from the producer within recv_timeout_s="
                            f"{self.settings.recv_timeout_s:g}s ({inc.state.value})")
-                    if not inc.peers:  # never sent: nothing can write into its blocks
+                    if inc.state is TransferState.BOOTSTRAPPING:
+                        # Never sent: nothing can write into its blocks.
                         self._finish(inc, ok=False, error=why)
                     else:
                         self._give_up(inc, why)

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance.connector.groups import KVGroup
+from appliance.connector.groups import KVGroup, needed_blocks
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
 from appliance.connector.settings import ConnectorSettings
 
@@ -214,8 +214,8 @@ class PDScheduler:
             if covered is not None:
                 held = len(everything[g]) - len(ids)  # prefix hits and null placeholders
                 ids = pull_block_ids(ids, held, covered, group.block_size)
-            out.append(group.needed(ids))
-        return out
+            out.append(ids)
+        return needed_blocks(self.groups, out)
 
     def _mark_ready_sends(self, scheduler_output: SchedulerOutput) -> None:
         """Tell the worker which sends have their whole prompt computed by this step."""
@@ -235,9 +235,8 @@ class PDScheduler:
             if req.num_computed_tokens + scheduled[req_id] < req.num_prompt_tokens:
                 continue  # chunked prefill: more chunks to come
             assert self.kv_cache_manager is not None, "kv cache manager was not bound"
-            held = self.kv_cache_manager.get_block_ids(req_id)
-            blocks = [g.needed(list(ids)[:_cdiv(req.num_prompt_tokens, g.block_size)])
-                      for g, ids in zip(self.groups, held, strict=True)]
+            blocks = needed_blocks(self.groups, self.kv_cache_manager.get_block_ids(req_id),
+                                   req.num_prompt_tokens)
             self._meta.ready_sends[req_id] = (send.transfer_id, blocks)
             send.ready = True
 

@@ -272,6 +272,7 @@ class Sender(Ledger):
             t.served.add(leg.d_rank)
             if t.state is TransferState.WAITING_FOR_INPUT and t.all_served:
                 t.advance(TransferState.SUCCESS, p_req=t.p_req_id, d_req=d_req, released=True)
+            if t.state.terminal:
                 self._settle(t)
             return True, ""
         await t.ready.wait()

@@ -89,6 +89,8 @@ def test_needed_blocks():
     assert window.needed([NULL_BLOCK, NULL_BLOCK, 5, 6, 7]) == [5, 6, 7]
     assert window.needed([NULL_BLOCK, 6, 7]) == [6, 7]  # short prompt: no placeholder moved
     assert window.needed([1, 2]) == [1, 2]
+    assert full.needed([4, 5, 6, 7], tokens=65) == [4, 5, 6]  # the blocks the prompt fills
+    assert window.needed([1, 2, 3, 4, 5], tokens=64) == [1, 2]
     with pytest.raises(ValueError, match="2 KV-cache groups"):
         g.needed_blocks([full], [[1], [2]])
 
