@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import kvbudget
+from appliance import keys, kvbudget
+from appliance.keys import API_KEY_FILE_ENV, NodeKeys
 from appliance.process import (
     CPU_BLOCK_SIZE,
     CPU_EAGER,
@@ -59,6 +60,16 @@ class NodeSpec:
     # Extra vLLM flags per role (appended, so they override the defaults above).
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
+    # Keys on every internal endpoint (`pdctl up --local` always): P and D need vLLM's
+    # --api-key, the sidecar its token (for /query too), the side channels CURVE, and D
+    # pulls only through this node's sidecar. Off: the reference's open trust model, which
+    # tests that talk to P and D directly use.
+    secure: bool = False
+    keys_dir: Path | None = None  # default: log_dir / "keys"
+
+    @property
+    def keys(self) -> NodeKeys:
+        return NodeKeys(self.keys_dir or self.log_dir / "keys")
 
     @property
     def bootstrap_url(self) -> str:
@@ -81,13 +92,22 @@ class NodeSpec:
 
     def kv_transfer_config(self, role: str) -> str:
         engine = self.prefill_engine_id if role == "kv_producer" else self.decode_engine_id
-        extra = {"bootstrap_addr": self.bootstrap_url, "protocol": "tcp", "host": self.host,
-                 **self.connector_extra}
+        extra: dict[str, Any] = {"bootstrap_addr": self.bootstrap_url, "protocol": "tcp",
+                                 "host": self.host}
+        if self.secure:
+            extra |= {"bootstrap_token_file": str(self.keys.bootstrap_token),
+                      "side_channel_key_file": str(self.keys.side_channel_key)}
+            if role == "kv_consumer":
+                extra["allowed_bootstrap_addrs"] = [self.bootstrap_url]
+        extra |= self.connector_extra
         return json.dumps({"kv_connector": "PDConnector",
                            "kv_connector_module_path": "appliance.connector",
                            "kv_role": role, "engine_id": engine,
                            "kv_load_failure_policy": self.kv_load_failure_policy,
                            "kv_connector_extra_config": extra})
+
+
+GUARD = "appliance.connector.httpguard.KVParamsGuard"
 
 
 def _omp_bind(cpus: tuple[int, ...] | None) -> str:
@@ -98,10 +118,13 @@ class LocalNode:
     def __init__(self, spec: NodeSpec) -> None:
         self.spec = spec
         s = spec
+        if s.secure:
+            keys.ensure(s.keys.dir)
+        token = (["--token-file", str(s.keys.bootstrap_token)] if s.secure else ["--no-token"])
         self.bootstrap = ServiceProcess(
             "bootstrap",
             [sys.executable, "-m", "appliance.bootstrap", "--host", s.host, "--port",
-             str(s.bootstrap_port), "--ttl", str(s.bootstrap_ttl)],
+             str(s.bootstrap_port), "--ttl", str(s.bootstrap_ttl), *token],
             s.log_dir / "bootstrap.log", health_url=f"{s.bootstrap_url}/health")
         self.kv_bytes = kvbudget.budget(s.kv_cache_bytes, s.model, s.max_model_len,
                                         CPU_BLOCK_SIZE)
@@ -113,23 +136,31 @@ class LocalNode:
                 "proxy",
                 [sys.executable, "-m", "appliance.proxy", "--host", s.proxy_host or s.host,
                  "--port", str(s.proxy_port), "--prefill", f"{s.prefill_url},{s.bootstrap_url}",
-                 "--decode", s.decode_url, *s.proxy_args],
+                 "--decode", s.decode_url, *self._proxy_keys(), *s.proxy_args],
                 s.log_dir / "proxy.log", health_url=f"{s.proxy_url}/health")
         self.timings: dict[str, float] = {}
+
+    def _proxy_keys(self) -> list[str]:
+        k = self.spec.keys
+        return (["--backend-api-key-file", str(k.api_key), "--bootstrap-token-file",
+                 str(k.bootstrap_token), "--side-channel-key-file", str(k.side_channel_key)]
+                if self.spec.secure else [])
 
     def _vllm(self, name: str, port: int, role: str,
               cpus: tuple[int, ...] | None) -> ServiceProcess:
         s = self.spec
+        guard = (("--middleware", GUARD) if s.secure and role == "kv_consumer" else ())
         argv = vllm_serve_argv(s.model, port, host=s.host, served_model_name=s.served_model_name,
                                block_size=CPU_BLOCK_SIZE, max_model_len=s.max_model_len,
                                kv_transfer_config=s.kv_transfer_config(role),
-                               extra=(*CPU_EAGER, *kv_cache_flags(self.kv_bytes),
+                               extra=(*CPU_EAGER, *kv_cache_flags(self.kv_bytes), *guard,
                                       *(s.prefill_args if role == "kv_producer"
                                         else s.decode_args)))
         role_env = s.prefill_env if role == "kv_producer" else s.decode_env
+        key_env = {API_KEY_FILE_ENV: str(s.keys.api_key)} if s.secure else {}
         return ServiceProcess(name, argv, s.log_dir / f"{name}.log",
-                              env={**cpu_env(_omp_bind(cpus), s.host), **s.extra_env,
-                                   **role_env},
+                              env={**cpu_env(_omp_bind(cpus), s.host), **key_env,
+                                   **s.extra_env, **role_env},
                               health_url=f"http://{s.host}:{port}/health", cpus=cpus)
 
     @property
@@ -192,8 +223,10 @@ class LocalNode:
             progress(name, self.timings[name])
 
     def _registered(self) -> bool:
+        req = urllib.request.Request(f"{self.spec.bootstrap_url}/query",
+                                     headers=self.auth_headers("bootstrap"))
         try:
-            with urllib.request.urlopen(f"{self.spec.bootstrap_url}/query", timeout=2) as r:
+            with urllib.request.urlopen(req, timeout=2) as r:
                 engine = self.spec.prefill_engine_id
                 # With --data-parallel-size vLLM names each rank's engine "<id>_dp<rank>".
                 return any(v.get("engine_id") == engine
@@ -201,6 +234,14 @@ class LocalNode:
                            for v in json.load(r).values())
         except (OSError, ValueError, AttributeError):
             return False
+
+    def auth_headers(self, service: str) -> dict[str, str]:
+        """What a caller inside the node sends to "prefill", "decode" or "bootstrap"."""
+        if not self.spec.secure:
+            return {}
+        k = self.spec.keys
+        secret = keys.read(k.bootstrap_token if service == "bootstrap" else k.api_key)
+        return {"Authorization": f"Bearer {secret}"}
 
     def stop(self) -> None:
         for svc in reversed(self.services):

@@ -72,7 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "appliance.bootstrap", "--host",
-                               "127.0.0.1", "--port", str(port), "--log-level", "WARNING"])
+                               "127.0.0.1", "--port", str(port), "--no-token",
+                               "--log-level", "WARNING"])
     try:
         base = f"http://127.0.0.1:{port}"
         for _ in range(100):

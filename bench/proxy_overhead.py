@@ -1,6 +1,6 @@
 """What the proxy costs: the same load sent straight to D and through the proxy, in one run.
 
-    python bench/proxy_overhead.py [--seconds 3] [--concurrency 1 64]
+    python bench/proxy_overhead.py [--seconds 3] [--concurrency 1 64] [--auth]
 
 Fake P (with its bootstrap) and fake D are aiohttp servers on loopback that answer at once
 (D streams 16 SSE events when asked to; a stream goes P first, then D, the proxy's
@@ -157,10 +157,16 @@ def _parse_response(buf: bytearray) -> tuple[int, bytes, int] | None:
     raise RuntimeError(f"cannot frame response: {head[0]}")
 
 
+# Ports whose server wants a client key (the keyed proxy of --auth).
+CLIENT_KEY = "bench-client-key"
+KEYED_PORTS: set[int] = set()
+
+
 def _request_bytes(port: int, stream: bool) -> bytes:
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": CHUNKS,
                        "temperature": 0, "stream": stream}).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    auth = f"Authorization: Bearer {CLIENT_KEY}\r\n" if port in KEYED_PORTS else ""
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
             ).encode() + body
 
@@ -289,6 +295,9 @@ def main() -> None:
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="give the proxy a core of its own, the rest the other cores (the "
                          "target's terms); --no-pin on a machine busy with other work")
+    ap.add_argument("--auth", action="store_true",
+                    help="also a keyed proxy (client key, key to P and D, bootstrap token) "
+                         "against the open one, side by side")
     ap.add_argument("--fake", nargs=2, type=int, metavar=("PORT", "BOOTSTRAP_PORT"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -305,7 +314,7 @@ def main() -> None:
     pin = args.pin and len(cpus) > 1
     proxy_cpus = {cpus[-1]} if pin else None
     other_cpus = set(cpus[:-1]) if pin else None
-    p_port, b_port, d_port, x_port = (_free_port() for _ in range(4))
+    p_port, b_port, d_port, x_port, k_port = (_free_port() for _ in range(5))
     logs = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
     procs = [
         _spawn([__file__, "--fake", str(p_port), str(b_port)], other_cpus, logs / "p.log"),
@@ -316,19 +325,34 @@ def main() -> None:
                 "--no-log-requests", "--log-level", "WARNING"], proxy_cpus,
                logs / "proxy.log"),
     ]
+    if args.auth:
+        KEYED_PORTS.add(k_port)
+        procs.append(_spawn(
+            ["-m", "appliance.proxy", "--host", "127.0.0.1", "--port", str(k_port),
+             "--prefill", f"http://127.0.0.1:{p_port},http://127.0.0.1:{b_port}",
+             "--decode", f"http://127.0.0.1:{d_port}", "--health-interval", "1",
+             "--api-key", CLIENT_KEY, "--backend-api-key", "bench-node-key",
+             "--no-log-requests", "--log-level", "WARNING"], proxy_cpus, logs / "keyed.log"))
     if other_cpus:
         os.sched_setaffinity(0, other_cpus)
     try:
         _wait_http(p_port, "/health")
         _wait_http(d_port, "/health")
         _wait_http(x_port, "/health")
+        if args.auth:
+            _wait_http(k_port, "/health")
         rows = []
+        keyed = []
         started = time.monotonic()
         for stream in (False, True):
             for c in args.concurrency:
                 direct, proxied = compare((d_port, procs[1].pid), (x_port, procs[2].pid),
                                           c, args.seconds, stream, args.rounds)
                 rows.append((stream, c, direct, proxied))
+                if args.auth:
+                    keyed.append((stream, c, *compare((x_port, procs[2].pid),
+                                                      (k_port, procs[3].pid), c,
+                                                      args.seconds, stream, args.rounds)))
         wall = time.monotonic() - started
     except BaseException:
         console.print(f"[red]bench failed; process logs in {logs}[/]")
@@ -368,6 +392,20 @@ def main() -> None:
             f"{ratio:.0%}", f"[green]{target} ok[/]" if ok else f"[red]{target} MISSED[/]",
             f"{(direct.cpu_per_req or 0) * 1e6:.0f}", f"{(proxied.cpu_per_req or 0) * 1e6:.0f}")
     console.print(table)
+    if keyed:
+        auth = Table(title="keyed proxy (client key checked, node key sent upstream) against "
+                           "the open one, alternating slices")
+        for col in ("mode", "conc", "open p50 ms", "keyed p50 ms", "open req/s",
+                    "keyed req/s", "keyed/open", "target"):
+            auth.add_column(col, justify="right")
+        for stream, c, open_, key in keyed:
+            ratio = key.rps / open_.rps
+            verdicts.append(ratio >= 0.90)
+            auth.add_row(f"stream ({CHUNKS} ev)" if stream else "json", str(c),
+                         f"{open_.pct(0.5) * 1000:.2f}", f"{key.pct(0.5) * 1000:.2f}",
+                         f"{open_.rps:,.0f}", f"{key.rps:,.0f}", f"{ratio:.0%}",
+                         "[green]>= 90% ok[/]" if ratio >= 0.90 else "[red]>= 90% MISSED[/]")
+        console.print(auth)
     console.print(f"load phase {wall:.0f} s; CPU per request is the server process's own "
                   f"(fake D direct, the proxy through it); the proxy makes two upstream "
                   f"requests per request. Load average now: "

@@ -13,6 +13,8 @@ case: random, mostly non-consecutive block tables (one descriptor per block and 
 Usage: .venv/bin/python bench/transfer.py [--reps 7] [--layers 36] [--blocks 63]
        [--device cuda]  (on a GPU host: both caches in GPU memory; memcpy is a GPU gather)
        bench/transfer.py --model all  (MLA, sliding window, TP 1->2 and 2->1: bench/kvcases)
+       bench/transfer.py --auth both  (the whole side-channel path, CURVE off vs on:
+                                       bench/sidechannel)
 """
 
 from __future__ import annotations
@@ -293,6 +295,10 @@ def main() -> None:
                     help="where both KV caches live (cuda needs Mooncake's CUDA build)")
     ap.add_argument("--model", action="append", choices=["all", *CASES],
                     help="model shapes instead (bench/kvcases.py), each against raw Mooncake")
+    ap.add_argument("--auth", choices=["off", "on", "both"],
+                    help="instead: a full transfer through a real Sender and Receiver (request, "
+                    "write, FINISH), the side channel without CURVE, with it, or both side by "
+                    "side (bench/sidechannel.py)")
     args = ap.parse_args()
     if args.model:
         report(list(CASES) if "all" in args.model else args.model, args.reps)
@@ -310,6 +316,11 @@ def main() -> None:
         args.d_first,
         args.device,
     )
+    if args.auth:
+        from sidechannel import report as auth_report
+
+        auth_report(kv_cache, shape, args.reps, args.auth)
+        return
     slices = args.slice or ["default", "1048576"]
     start = time.perf_counter()
     table = Table(

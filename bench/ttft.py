@@ -108,7 +108,7 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
     if cpu_push_delay_ms is not None:
         name = f"ours-delay{cpu_push_delay_ms:g}"
     boot = ServiceProcess("bootstrap", [sys.executable, "-m", "appliance.bootstrap", "--host",
-                                        "127.0.0.1", "--port", str(bport)],
+                                        "127.0.0.1", "--port", str(bport), "--no-token"],
                           log_dir / f"{name}-bootstrap.log", env=env or {},
                           health_url=f"http://127.0.0.1:{bport}/health")
 

@@ -1,4 +1,4 @@
-"""`python -m appliance.bootstrap --host --port --ttl --token-file`."""
+"""`python -m appliance.bootstrap --host --port --ttl --token-file FILE | --no-token`."""
 
 from __future__ import annotations
 
@@ -20,12 +20,20 @@ from appliance.bootstrap.settings import DEFAULT_PORT, BootstrapSettings
 @click.option("--ttl", default=30.0, show_default=True, type=float,
               help="Seconds a registration lives without a refresh (0: forever).")
 @click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False),
-              help="File holding the shared token that /register and DELETE require.")
+              help="File holding the shared token that /register, DELETE and /query require.")
+@click.option("--no-token", is_flag=True,
+              help="Run without a token: anyone who reaches the port may register an engine "
+                   "(the reference's trust model; tests and vLLM's own connector).")
 @click.option("--max-body-bytes", default=64 * 1024, show_default=True, type=int)
 @click.option("--log-level", default="INFO", show_default=True)
-def main(host: str, port: int, ttl: float, token_file: Path | None, max_body_bytes: int,
-         log_level: str) -> None:
+def main(host: str, port: int, ttl: float, token_file: Path | None, no_token: bool,
+         max_body_bytes: int, log_level: str) -> None:
     """Run the bootstrap sidecar."""
+    if (token_file is None) == (not no_token):
+        click.echo("bootstrap: error: give --token-file FILE (the shared token) or --no-token"
+                   if token_file is None else
+                   "bootstrap: error: --token-file and --no-token exclude each other", err=True)
+        sys.exit(2)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -3,6 +3,10 @@
 Wire-compatible with vLLM's MooncakeConnector bootstrap, so vLLM's example proxy and ours
 both read it; adds TTL expiry, DELETE for clean shutdown, an optional shared token and
 strict body validation (a bad request never changes the registry).
+
+With a token (pdctl always sets one; `python -m appliance.bootstrap` refuses to start without
+one unless told `--no-token`), /register, DELETE and /query all need it: /query names the
+side channels P's KV is served from, and a registration is where the proxy routes.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ async def register(request: web.Request) -> web.Response:
 
 
 async def query(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return json_error(401, "missing or wrong bootstrap token")
     answer = request.app[REGISTRY].query()
     return web.json_response(
         {dp: {"engine_id": e.engine_id, "worker_addr": e.worker_addr,

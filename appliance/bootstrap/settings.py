@@ -15,7 +15,7 @@ class BootstrapSettings(BaseModel):
     # Workers refresh well within this (the connector re-registers every ttl/3 seconds);
     # 0 keeps registrations until they are deleted, as the reference does.
     ttl: float = Field(30.0, ge=0)
-    # When set, POST /register and DELETE require `Authorization: Bearer <token>`.
+    # When set, POST /register, DELETE and GET /query require `Authorization: Bearer <token>`.
     token: str | None = None
     max_body_bytes: int = Field(64 * 1024, ge=1024)
 

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
+from appliance.connector import curve
 from appliance.connector import messages as m
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
 from appliance.connector.plan import PlanError, Region
@@ -60,10 +61,13 @@ def _remaining_ms(deadline: float) -> int:
 class _Peer:
     """One DEALER socket per producer worker, with a loop dispatching its replies."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, receiver: Receiver) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, receiver: Receiver,
+                 key: curve.CurveKey | None = None) -> None:
         self.addr = addr
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:
+            curve.set_client(self.sock, key)
         self.sock.connect(addr)
         self.layout_sent = False
         self.task = asyncio.create_task(self._replies(receiver))
@@ -90,6 +94,7 @@ class Receiver:
     def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int,
                  stats: TransferStats, total_heads: int | None = None) -> None:
+        self._key = curve.load(settings.side_channel_key_file)  # a bad file fails start-up
         self.settings = settings
         self.transport = transport
         self.host = host
@@ -220,7 +225,8 @@ class Receiver:
         client = self._clients.get(bootstrap)
         if client is None:
             client = self._clients[bootstrap] = BootstrapClient(
-                bootstrap, timeout=min(10.0, self.settings.recv_timeout_s))
+                bootstrap, self.settings.bootstrap_token,
+                timeout=min(10.0, self.settings.recv_timeout_s))
         answer = await client.query()
         for view in answer.values():
             key = (bootstrap, view.engine_id)
@@ -233,7 +239,7 @@ class Receiver:
     def _peer(self, addr: str) -> _Peer:
         peer = self._peers.get(addr)
         if peer is None:
-            peer = self._peers[addr] = _Peer(self._ctx, addr, self)
+            peer = self._peers[addr] = _Peer(self._ctx, addr, self, self._key)
         return peer
 
     # --- replies (seeds step 34) ----------------------------------------------------------

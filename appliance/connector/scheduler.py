@@ -246,8 +246,7 @@ class PDScheduler:
         missing = [p for p in REQUIRED_PULL_PARAMS if not params.get(p)]
         if missing:
             return f"kv_transfer_params lacks {', '.join(missing)}"
-        allowed = self.settings.allowed_bootstrap_addrs
-        if allowed is not None and params["remote_bootstrap_addr"] not in allowed:
+        if not self.settings.bootstrap_allowed(str(params["remote_bootstrap_addr"])):
             return f"bootstrap address {params['remote_bootstrap_addr']!r} is not allowed"
         return None
 

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
+from appliance.connector import curve, guard
 from appliance.connector import messages as m
 from appliance.connector.descriptors import build_group_descriptors
 from appliance.connector.ledger import Ledger
@@ -42,6 +43,9 @@ class Sender(Ledger):
                  regions: list[Region], host: str, tp_rank: int, tp_size: int, dp_rank: int,
                  stats: TransferStats, thread_init: Callable[[], None] | None = None,
                  total_heads: int | None = None) -> None:
+        self._key = curve.load(settings.side_channel_key_file)  # a bad file fails start-up
+        self._internal = guard.networks(settings.internal_networks)
+        self._curve: curve.CurveServer | None = None
         self.settings = settings
         self.transport = transport
         self.regions = regions
@@ -67,6 +71,9 @@ class Sender(Ledger):
     async def start(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.settings.max_message_bytes)  # memory bound
+        if self._key is not None:  # before bind: no handshake may precede the ZAP handler
+            self._curve = curve.CurveServer(sock, self._key, self.stats.record_rejected)
         port = sock.bind_to_random_port(f"tcp://{_zmq_host(self.host)}")
         self._sock = sock
         self.side_channel_addr = f"tcp://{_zmq_host(self.host)}:{port}"
@@ -90,6 +97,8 @@ class Sender(Ledger):
             except (BootstrapError, asyncio.TimeoutError):
                 pass
         await self._bootstrap.close()
+        if self._curve is not None:
+            self._curve.close()
         if self._sock is not None:
             self._sock.close(0)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -180,16 +189,13 @@ class Sender(Ledger):
     async def _listen(self) -> None:
         assert self._sock is not None
         while True:
-            identity, payload = await self._recv()
-            if identity is None:
+            identity, frame = await self._recv()
+            if identity is None or frame is None:
                 continue
-            try:
-                msg = m.decode_side_channel(payload)
-            except m.MessageError as exc:
-                self.stats.record_failure()
-                log.warning("rejected side-channel message: %s", exc)
-                await self._reply(identity, m.TransferResponse(status=m.Status.ERROR,
-                                                               message=str(exc)))
+            msg = guard.admit(frame, self.settings.max_message_bytes,
+                              self.settings.max_message_entries, self._internal)
+            if isinstance(msg, guard.Rejection):  # counted, logged, answered ERROR; no more
+                asyncio.create_task(self._reply(identity, msg.record(self.stats)))
                 continue
             try:
                 if isinstance(msg, m.CancelRequest):
@@ -199,13 +205,14 @@ class Sender(Ledger):
             except Exception:  # noqa: BLE001 - the listener must outlive any one message
                 log.exception("side-channel message from %s not handled", msg.engine_id)
 
-    async def _recv(self) -> tuple[bytes | None, bytes]:
+    async def _recv(self) -> tuple[bytes | None, zmq.Frame | None]:
         assert self._sock is not None
-        frames = await self._sock.recv_multipart()
+        frames = await self._sock.recv_multipart(copy=False)  # frames know their peer
         if len(frames) != 2:
             log.warning("dropped side-channel message with %d frames", len(frames))
-            return None, b""
-        return frames[0], frames[1]
+            return None, None
+        return frames[0].bytes, frames[1]
+
 
     async def _reply(self, identity: bytes, resp: m.TransferResponse) -> None:
         assert self._sock is not None
@@ -222,6 +229,10 @@ class Sender(Ledger):
         if dst_regions is None:
             asyncio.create_task(self._reply(identity, m.TransferResponse(
                 status=m.Status.LAYOUT_MISS, failed=d_ids, layout_id=msg.layout_id)))
+            return
+        if problem := guard.check_blocks(msg, dst_regions):  # also against a cached layout
+            why = guard.Rejection("blocks", problem, msg)
+            asyncio.create_task(self._reply(identity, why.record(self.stats)))
             return
         try:
             leg = leg_for(self.tp_rank, self.tp_size, msg.tp_rank, msg.tp_size,

@@ -11,10 +11,11 @@ They come from vLLM's `--kv-transfer-config`: `engine_id`, `kv_role`, and
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 Role = Literal["producer", "consumer"]
 
@@ -61,6 +62,35 @@ class ConnectorSettings(BaseModel):
     max_batch_descs: int = Field(1024, ge=1)
     # Consumer: if set, only these bootstrap addresses may be named by a request.
     allowed_bootstrap_addrs: tuple[str, ...] | None = None
+    # Side channel: a file holding the cluster's Z85 CURVE secret key on one line (one key
+    # for every P and D worker and the proxy; `curve.generate_secret()` makes one). Set: P's
+    # ROUTER admits only clients proving they hold it, D connects with it. Read when the
+    # worker starts. None: no authentication.
+    side_channel_key_file: str | None = None
+    # Producer: side-channel messages over this many bytes are refused before decoding (a
+    # real request is a few KiB: one request's block ids, the layout on first contact).
+    max_message_bytes: int = Field(16 << 20, ge=1 << 10, le=1 << 30)
+    # Producer: requests or cancellations per message (D sends one; the proxy one release).
+    max_message_entries: int = Field(512, ge=1, le=1 << 20)
+    # Producer: CIDRs a request's Mooncake session may name besides the address the request
+    # came from (D's KV NIC differs from the one its side channel uses). None: only that.
+    internal_networks: tuple[str, ...] | None = None
+
+    @field_validator("internal_networks")
+    @classmethod
+    def _cidrs(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        try:
+            return tuple(str(ipaddress.ip_network(c, strict=False)) for c in value)
+        except ValueError as exc:
+            raise ValueError(f"not a CIDR: {exc}") from None
+
+    def bootstrap_allowed(self, addr: str) -> bool:
+        """Whether a request may make this decode node contact P through `addr`."""
+        if self.allowed_bootstrap_addrs is None:
+            return True
+        return addr.rstrip("/") in {a.rstrip("/") for a in self.allowed_bootstrap_addrs}
 
     @property
     def is_producer(self) -> bool:

@@ -13,8 +13,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+# Why P's side channel refused a handshake or message: auth (a CURVE key not the
+# cluster's), handshake (not CURVE, or not with our server key), invalid (undecodable),
+# size, entries, blocks (beyond D's cache), session (a Mooncake session not D's own).
+REJECT_REASONS = ("auth", "handshake", "invalid", "size", "entries", "blocks", "session")
 _COUNTERS = ("transfers", "bytes", "descriptors", "seconds", "failures", "expired",
-             "recv_ok", "recv_failed")
+             "recv_ok", "recv_failed", "rejected", *(f"rejected_{r}" for r in REJECT_REASONS))
 
 
 @dataclass
@@ -44,6 +48,9 @@ class PDConnectorStats(KVConnectorStats):
             "expired_requests": d["expired"],
             "received": d["recv_ok"],
             "failed_receives": d["recv_failed"],
+            "rejected_messages": d["rejected"],
+            **{f"rejected_{r}": d[f"rejected_{r}"] for r in REJECT_REASONS
+               if d.get(f"rejected_{r}")},
         }
 
     def is_empty(self) -> bool:
@@ -71,6 +78,10 @@ class TransferStats:
     def record_expired(self) -> None:
         self._add(expired=1)
 
+    def record_rejected(self, reason: str) -> None:
+        assert reason in REJECT_REASONS, reason
+        self._add(**{"rejected": 1, f"rejected_{reason}": 1})
+
     def record_recv(self, ok: bool) -> None:
         self._add(**({"recv_ok": 1} if ok else {"recv_failed": 1}))
 
@@ -95,6 +106,8 @@ PROM_COUNTERS = {
     "recv_ok": ("vllm:pd_kv_received", "Requests whose KV arrived from a prefill node."),
     "recv_failed": ("vllm:pd_kv_failed_receives",
                     "Requests whose KV did not arrive (recomputed or failed by policy)."),
+    "rejected": ("vllm:pd_side_channel_rejected",
+                 "Side-channel handshakes and messages this prefill server refused."),
 }
 
 

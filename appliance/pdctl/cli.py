@@ -239,18 +239,21 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
         raise PdctlError(f"no node to report on: no local node (no state in {run_dir}) and no "
                          f"host config at {cfgmod.default_config_path()}")
     if state is not None:
-        node = st.gather(state.endpoints_obj(), process_states(state), "local")
+        token_file = run_dir / "keys" / "bootstrap-token"
+        node = st.gather(state.endpoints_obj(), process_states(state), "local",
+                         bootstrap_token=_read_quietly(token_file))
     else:
         from appliance.pdctl.dockerapi import DockerApi, DockerUnavailable
 
-        cfg, _path = load_host_config(config_path, env, host_checks=False)
-        from appliance.pdctl.render import local_addr
+        cfg, path = load_host_config(config_path, env, host_checks=False)
+        from appliance.pdctl.render import bootstrap_token_file, local_addr
 
-        base = f"http://{local_addr(cfg)}"
+        base = f"http://{cfg.host.ip}"  # P, D and the sidecar listen on the internal address
+        scheme = "https" if cfg.tls.cert_file else "http"
         endpoints = st.Endpoints(bootstrap=f"{base}:{cfg.ports.bootstrap}",
                                  prefill=f"{base}:{cfg.ports.prefill}",
                                  decode=f"{base}:{cfg.ports.decode}",
-                                 proxy=f"{base}:{cfg.ports.proxy}",
+                                 proxy=f"{scheme}://{local_addr(cfg)}:{cfg.ports.proxy}",
                                  prefill_engine_id=cfg.prefill_engine_id)
         problems: list[str] = []
         processes: dict[str, st.ProcessState] | None = None
@@ -264,12 +267,22 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
         except DockerUnavailable as exc:
             problems.append(f"docker: {exc.lines[0]}")
         node = st.gather(endpoints, processes, f"compose project {cfg.compose.project}",
-                         problems, api_key=_first_key(cfg))
+                         problems, api_key=_first_key(cfg),
+                         bootstrap_token=_read_quietly(Path(bootstrap_token_file(cfg,
+                                                                                 path.parent))))
     if as_json:
         click.echo(json.dumps(node.as_dict(), indent=1))
     else:
         st.render_table(node, env.out)
     ctx.exit(0 if node.healthy else RUNTIME)
+
+
+def _read_quietly(path: Path) -> str | None:
+    """A key file's value, or None where it cannot be read (status then shows the 401)."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _first_key(cfg: HostConfig) -> str | None:
@@ -292,7 +305,8 @@ def _first_key(cfg: HostConfig) -> str | None:
 @click.pass_context
 def doctor(ctx: click.Context, config_path: Path | None, as_json: bool,
            skips: tuple[str, ...]) -> None:
-    """Check this host before starting: GPUs, GPUDirect, RDMA, memlock, ports, Docker."""
+    """Check this host before starting: GPUs, GPUDirect, RDMA, memlock, ports, Docker, and
+    what the node would expose (warnings)."""
     from appliance.pdctl.doctor import Check, run_checks
 
     env = env_of(ctx)
@@ -313,13 +327,14 @@ def doctor(ctx: click.Context, config_path: Path | None, as_json: bool,
                       title_justify="left")
         for col in ("check", "result", "detail"):
             table.add_column(col, overflow="fold")
-        colors = {"pass": "green", "fail": "red", "skip": "yellow"}
+        colors = {"pass": "green", "fail": "red", "skip": "yellow", "warn": "magenta"}
         for c in checks:
             # Details and fixes are plain text: "[ports]" is a config section, not markup.
             detail = escape(c.detail) + (f"\n[bold]fix:[/] {escape(c.fix)}" if c.fix else "")
             table.add_row(escape(c.name), f"[{colors[c.status]}]{c.status}[/]", detail)
         out.print(table)
         out.print(f"{len(failed)} failed, {sum(c.status == 'pass' for c in checks)} passed, "
+                  f"{sum(c.status == 'warn' for c in checks)} warnings, "
                   f"{sum(c.status == 'skip' for c in checks)} skipped")
     ctx.exit(RUNTIME if failed else 0)
 

@@ -19,9 +19,23 @@ import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from appliance.pdctl.errors import ConfigError
+from appliance.pdctl.sections import (  # noqa: F401 - re-exported: the config's one namespace
+    _NAME,
+    VERSION_TAG,
+    AuthSection,
+    ComposeSection,
+    ImagesSection,
+    Port,
+    PortsSection,
+    TimeoutsSection,
+    TlsSection,
+    TransferSection,
+    _safe_path,
+    _Section,
+)
 
 try:
     import tomllib
@@ -30,14 +44,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 DEFAULT_CONFIG = Path("/etc/pd-appliance/host.toml")
 CONFIG_ENV = "PDCTL_CONFIG"
-VERSION_TAG = "0.1.0"
-
-Port = Annotated[int, Field(ge=1, le=65535)]
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_UNSAFE = re.compile(r"[\s'\"$`\\]")
 # vLLM flags pdctl sets itself; in extra_args they would silently fight the config.
 MANAGED_FLAGS = {
-    "--host": "compose.bind", "--port": "ports.prefill / ports.decode",
+    "--host": "host.ip", "--port": "ports.prefill / ports.decode",
+    "--api-key": "the node's keys (keys/api-key, pdctl init --rotate-keys)",
     "--kv-transfer-config": "transfer", "--tensor-parallel-size": "model.tp_size",
     "-tp": "model.tp_size", "--block-size": "model.block_size",
     "--served-model-name": "model.served_name", "--max-model-len": "model.max_model_len",
@@ -49,21 +59,26 @@ Stack = Literal["gpu", "cpu"]
 DEFAULT_BLOCK_SIZE = {"gpu": 16, "cpu": 32}
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-def _safe_path(value: str, what: str) -> str:
-    if not value.startswith("/"):
-        raise ValueError(f"{what} must be an absolute path")
-    if _UNSAFE.search(value):
-        raise ValueError(f"{what} must not contain spaces, quotes, '$' or backslashes")
-    return value.rstrip("/") or "/"
-
-
 class HostSection(_Section):
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
+    # The internal address (the cluster network's): P, D, the bootstrap sidecar and the side
+    # channels listen on it alone, and peers reach this host there. Only the proxy listens
+    # on the client-facing address (compose.bind).
     ip: str
+    # Networks (CIDRs) a decode node's Mooncake session may be on; empty: only the address
+    # its side-channel request came from.
+    internal_networks: list[str] = Field(default_factory=list)
+
+    @field_validator("internal_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        out = []
+        for net in v:
+            try:
+                out.append(str(ipaddress.ip_network(net, strict=False)))
+            except ValueError:
+                raise ValueError(f"{net!r} is not a network (e.g. 10.0.0.0/16)") from None
+        return out
 
     @field_validator("name")
     @classmethod
@@ -164,92 +179,6 @@ class CpusSection(_Section):
         return sorted(_once_each(v, "CPU"))
 
 
-class TransferSection(_Section):
-    # Set explicitly: "rdma" on GPU hosts with RDMA NICs, "tcp" anywhere else.
-    protocol: Literal["rdma", "tcp"] = "rdma"
-    device: str = ""
-    # How the NIC reaches GPU memory: the nvidia_peermem module, or DMA-BUF (open modules).
-    gpudirect: Literal["peermem", "dmabuf"] = "peermem"
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        if v and not _NAME.match(v):
-            raise ValueError(f"{v!r} is not an RDMA device name (e.g. mlx5_0)")
-        return v
-
-
-class PortsSection(_Section):
-    proxy: Port = 8000
-    prefill: Port = 8010
-    decode: Port = 8020
-    bootstrap: Port = 8998
-
-
-class TimeoutsSection(_Section):
-    # How long `pdctl up` waits for every service to be healthy (first start loads weights).
-    startup_s: float = Field(900.0, gt=0)
-    prefill_s: float = Field(120.0, gt=0)
-    decode_read_s: float = Field(300.0, gt=0)
-    kv_recv_s: float = Field(60.0, gt=0)
-    kv_send_s: float = Field(120.0, gt=0)
-    bootstrap_ttl_s: float = Field(30.0, ge=0)
-
-
-class AuthSection(_Section):
-    # One key per line; the proxy then requires `Authorization: Bearer <key>` on /v1/*.
-    api_keys_file: str | None = None
-    # Shared token the prefill workers present to the bootstrap sidecar.
-    bootstrap_token_file: str | None = None
-
-    @field_validator("api_keys_file", "bootstrap_token_file")
-    @classmethod
-    def _file(cls, v: str | None) -> str | None:
-        return None if v is None else _safe_path(v, "the file")
-
-
-class ImagesSection(_Section):
-    # Default: pd-appliance/vllm (GPU stack) or pd-appliance/vllm-cpu (CPU stack).
-    vllm: str | None = None
-    slim: str = f"pd-appliance/slim:{VERSION_TAG}"
-
-    @field_validator("vllm", "slim")
-    @classmethod
-    def _ref(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[a-z0-9][a-z0-9._/:@-]*$", v):
-            raise ValueError(f"{v!r} is not an image reference")
-        return v
-
-
-class ComposeSection(_Section):
-    project: str = "pd-appliance"
-    shm_size: str = "16g"
-    bind: str = "0.0.0.0"
-    restart: Literal["unless-stopped", "always", "on-failure", "no"] = "unless-stopped"
-
-    @field_validator("project")
-    @classmethod
-    def _project(cls, v: str) -> str:
-        if not re.match(r"^[a-z0-9][a-z0-9_-]*$", v):
-            raise ValueError("must be lowercase letters, digits, '_' or '-'")
-        return v
-
-    @field_validator("shm_size")
-    @classmethod
-    def _shm(cls, v: str) -> str:
-        if not re.match(r"^[1-9][0-9]*[bkmg]?$", v.lower()):
-            raise ValueError(f"{v!r} is not a size (e.g. 16g)")
-        return v.lower()
-
-    @field_validator("bind")
-    @classmethod
-    def _bind(cls, v: str) -> str:
-        try:
-            return str(ipaddress.ip_address(v))
-        except ValueError:
-            raise ValueError(f"{v!r} is not an IP address") from None
-
-
 class HostConfig(_Section):
     stack: Stack = "gpu"
     host: HostSection
@@ -260,6 +189,7 @@ class HostConfig(_Section):
     ports: PortsSection = Field(default_factory=PortsSection)
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
     auth: AuthSection = Field(default_factory=AuthSection)
+    tls: TlsSection = Field(default_factory=TlsSection)
     images: ImagesSection = Field(default_factory=ImagesSection)
     compose: ComposeSection = Field(default_factory=ComposeSection)
 
@@ -295,6 +225,12 @@ class HostConfig(_Section):
         if self.compose.bind not in ("0.0.0.0", "127.0.0.1", self.host.ip):
             out.append(f"compose.bind: {self.compose.bind} must be 0.0.0.0, 127.0.0.1 or "
                        f"host.ip ({self.host.ip})")
+        first, last = self.transfer.port_range
+        inside = [f"ports.{n} ({p})" for n, p in ports.items() if first <= p <= last]
+        if inside:
+            out.append(f"transfer.port_range: {first}-{last} holds {', '.join(inside)}")
+        if (self.tls.cert_file is None) != (self.tls.key_file is None):
+            out.append("tls: cert_file and key_file go together (HTTPS on the proxy)")
         if self.stack == "gpu" and self.transfer.protocol == "rdma" and not self.transfer.device:
             out.append("transfer.device: required when transfer.protocol is rdma (e.g. mlx5_0; "
                        "`pdctl init` lists this host's devices)")

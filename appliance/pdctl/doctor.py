@@ -1,17 +1,19 @@
-"""Host preflight: every check says pass, fail or skip, and on failure how to fix it.
+"""Host preflight: every check says pass, fail, warn or skip, and on failure or warning how
+to fix it (a warning does not fail `pdctl doctor`).
 
 On the CPU stack the GPU, RDMA, memlock and NVIDIA runtime checks are skipped and the CPUs
 P and D are pinned to are checked instead."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from appliance.pdctl.config import HostConfig, PortsSection
 from appliance.pdctl.host import HostProbe, Memlock
 
-Status = Literal["pass", "fail", "skip"]
+Status = Literal["pass", "fail", "skip", "warn"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,38 @@ def _fail(name: str, detail: str, fix: str) -> Check:
 
 def _skip(name: str, detail: str) -> Check:
     return Check(name, "skip", detail)
+
+
+def _warn(name: str, detail: str, fix: str) -> Check:
+    return Check(name, "warn", detail, fix)
+
+
+def check_exposure(cfg: HostConfig | None) -> list[Check]:
+    """What would face a network it should not: the internal address, wildcard binds."""
+    if cfg is None:
+        return []
+    out = []
+    ip = ipaddress.ip_address(cfg.host.ip)
+    if ip.is_global:
+        out.append(_warn("internal address", f"host.ip {ip} is a public address: P, D, the "
+                         "bootstrap sidecar, the side channels and Mooncake (whose ports read "
+                         "and write this host's memory) would listen on it",
+                         "set host.ip to the cluster network's address (a private one) and "
+                         "firewall the rest (README, Security)"))
+    else:
+        out.append(_pass("internal address", f"host.ip {ip} is not public"))
+    first, last = cfg.transfer.port_range
+    out.append(_warn("mooncake ports", f"Mooncake listens on every address on ports "
+                     f"{first}-{last} (it cannot be bound to host.ip)",
+                     f"firewall ports {first}-{last} to the cluster network, e.g. nft add rule "
+                     f"inet filter input tcp dport {first}-{last} ip saddr != <cluster CIDR> "
+                     "drop"))
+    if ipaddress.ip_address(cfg.compose.bind).is_unspecified:
+        out.append(_warn("proxy bind", f"the proxy listens on every address "
+                         f"({cfg.compose.bind}:{cfg.ports.proxy})",
+                         "set compose.bind to the client-facing address if the host has "
+                         "others"))
+    return out
 
 
 def _ranges(values: list[int]) -> str:
@@ -266,5 +300,5 @@ def check_model(cfg: HostConfig | None, probe: HostProbe) -> Check:
 
 def run_checks(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
     return [*check_gpus(cfg, probe), *check_rdma(cfg, probe), check_memlock(cfg, probe),
-            check_ports(cfg, probe), check_model(cfg, probe),
+            check_ports(cfg, probe), check_model(cfg, probe), *check_exposure(cfg),
             *check_docker(probe, cfg.stack if cfg is not None else "gpu")]

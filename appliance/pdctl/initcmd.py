@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from appliance import keys
 from appliance.pdctl import config as cfgmod
 from appliance.pdctl.clibase import config_option, config_path_of, env_of
 from appliance.pdctl.config import parse_config
@@ -61,6 +62,9 @@ def _ints(value: str | None, what: str = "GPU") -> list[int] | None:
 @click.option("--prefill-port", type=click.IntRange(1, 65535), help="default 8010")
 @click.option("--decode-port", type=click.IntRange(1, 65535), help="default 8020")
 @click.option("--bootstrap-port", type=click.IntRange(1, 65535), help="default 8998")
+@click.option("--rotate-keys", is_flag=True,
+              help="write new node keys (keys/ beside the config) and change nothing else; "
+                   "then `pdctl up` restarts the node with them")
 @click.option("--force", is_flag=True, help="overwrite an existing config")
 @click.option("--no-input", is_flag=True, help="never prompt (the default when flags are given)")
 @click.pass_context
@@ -72,12 +76,22 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
          prefill_tp_size: int | None, decode_tp_size: int | None, protocol: str | None,
          rdma_device: str | None, gpudirect: str | None,
          proxy_port: int | None, prefill_port: int | None, decode_port: int | None,
-         bootstrap_port: int | None, force: bool, no_input: bool) -> None:
-    """Detect this host's GPUs (or CPUs), RDMA devices and address, and write its config."""
+         bootstrap_port: int | None, rotate_keys: bool, force: bool, no_input: bool) -> None:
+    """Detect this host's GPUs (or CPUs), RDMA devices and address, and write its config
+    and the node's keys."""
     env = env_of(ctx)
     probe = env.probe
     out = env.out
     target = out_path or config_path_of(config_path)
+    if rotate_keys:
+        if not target.exists():
+            raise PdctlError(f"no config at {target} to rotate the keys of (run pdctl init "
+                             "first)", USAGE)
+        written = _write_keys(target, rotate=True)
+        out.print(f"pdctl: wrote new keys to {written.dir} (api key, bootstrap token, side-"
+                  "channel key); `pdctl up` restarts the node with them; copy them to every "
+                  "host of the cluster")
+        return
     if target.exists() and not force:
         raise PdctlError(f"{target} exists (use --force to overwrite it)", USAGE)
 
@@ -156,6 +170,17 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
         target.write_text(to_toml(cfg))
     except OSError as exc:
         raise PdctlError(f"cannot write {target}: {exc.strerror or exc}") from None
+    written = _write_keys(target, rotate=False)
     out.print(f"pdctl: wrote {target} ({placed}, {protocol}"
-              f"{f' via {cfg.transfer.device}' if protocol == 'rdma' else ''}, host {host_ip})")
+              f"{f' via {cfg.transfer.device}' if protocol == 'rdma' else ''}, host {host_ip})"
+              f" and the node's keys in {written.dir}")
     out.print("next: pdctl doctor, then pdctl up")
+
+
+def _write_keys(config: Path, rotate: bool) -> keys.NodeKeys:
+    from appliance.pdctl.render import keys_dir
+
+    try:
+        return keys.ensure(keys_dir(config.parent.resolve()), rotate=rotate)
+    except OSError as exc:
+        raise PdctlError(f"cannot write the node's keys: {exc.strerror or exc}") from None

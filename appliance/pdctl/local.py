@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance import kvbudget
+from appliance.pdctl.config import TransferSection
 from appliance.pdctl.errors import USAGE, PdctlError
 from appliance.pdctl.host import split_cpus
 from appliance.pdctl.status import Endpoints, ProcessState
@@ -184,6 +185,13 @@ class _Stop(Exception):
     """SIGTERM/SIGHUP: stop like Ctrl-C."""
 
 
+def mooncake_port_env() -> dict[str, str]:
+    """Mooncake listens on every address; keep its ports in the range a host config would
+    (transfer.port_range) so one firewall rule covers them here too."""
+    first, last = TransferSection().port_range
+    return {"MC_MIN_RPC_PORT": str(first), "MC_MAX_RPC_PORT": str(last)}
+
+
 def _raise_stop(signum: int, _frame: object) -> None:
     raise _Stop(signal.Signals(signum).name)
 
@@ -250,7 +258,8 @@ def up_local(opts: LocalOptions, console: Console, detach: bool = False) -> int:
                     prefill_port=opts.prefill_port, decode_port=opts.decode_port,
                     bootstrap_port=opts.bootstrap_port, proxy_port=opts.proxy_port,
                     prefill_cpus=p_cpus, decode_cpus=d_cpus, max_model_len=opts.max_model_len,
-                    kv_cache_bytes=opts.kv_cache_bytes, log_dir=log_dir)
+                    kv_cache_bytes=opts.kv_cache_bytes, log_dir=log_dir,
+                    secure=True, keys_dir=run_dir / "keys", extra_env=mooncake_port_env())
     try:
         node = LocalNode(spec)
     except kvbudget.ModelShapeError as exc:

@@ -1,6 +1,6 @@
 """What compose and systemd read: the `.env` file and compose.yaml (plus, for the CPU stack,
-compose.override.yaml) in one directory, the unit, and the proxy's key file when API keys
-are configured.
+compose.override.yaml) in one directory, the unit, the proxy's key file when client API keys
+are configured, and the node's own keys (keys/, created when missing; see appliance.keys).
 
 docker compose reads `.env` and compose.override.yaml beside compose.yaml by itself, so in
 that directory a plain `docker compose up -d` starts the node as `pdctl up` does."""
@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 import appliance
-from appliance import kvbudget
+from appliance import keys, kvbudget
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.errors import ConfigError, PdctlError
 
@@ -38,8 +38,32 @@ def repo_file(name: str) -> Path:
 
 
 def local_addr(cfg: HostConfig) -> str:
-    """Where the node's services reach each other."""
+    """Where the proxy is reached from this host (its health check, pdctl status)."""
     return "127.0.0.1" if cfg.compose.bind == "0.0.0.0" else cfg.compose.bind
+
+
+def keys_dir(out_dir: Path) -> Path:
+    """The node's secrets, beside the rendered files (mounted read-only into every
+    container)."""
+    return out_dir / "keys"
+
+
+def bootstrap_token_file(cfg: HostConfig, out_dir: Path) -> str:
+    return cfg.auth.bootstrap_token_file or str(keys.NodeKeys(keys_dir(out_dir)).bootstrap_token)
+
+
+def proxy_args(cfg: HostConfig, out_dir: Path) -> list[str]:
+    k = keys.NodeKeys(keys_dir(out_dir))
+    args = ["--backend-api-key-file", str(k.api_key),
+            "--bootstrap-token-file", bootstrap_token_file(cfg, out_dir),
+            "--side-channel-key-file", str(k.side_channel_key)]
+    if cfg.auth.api_keys_file:
+        args += ["--config", str(out_dir / PROXY_FILE)]
+        if cfg.auth.protect_ops_endpoints:
+            args.append("--auth-ops-endpoints")
+    if cfg.tls.cert_file and cfg.tls.key_file:
+        args += ["--tls-cert-file", cfg.tls.cert_file, "--tls-key-file", cfg.tls.key_file]
+    return args
 
 
 def kv_cache_bytes(cfg: HostConfig) -> int:
@@ -59,8 +83,8 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         common = ["--kv-cache-memory-bytes", str(kv_cache_bytes(cfg)), *common]
     if m.max_model_len:
         common = ["--max-model-len", str(m.max_model_len), *common]
-    token = cfg.auth.bootstrap_token_file or ""
-    proxy_args = ["--config", str(out_dir / PROXY_FILE)] if cfg.auth.api_keys_file else []
+    token = bootstrap_token_file(cfg, out_dir)
+    k = keys.NodeKeys(keys_dir(out_dir))
     return {
         "PD_PROJECT": cfg.compose.project,
         "PD_VLLM_IMAGE": cfg.vllm_image,
@@ -71,6 +95,13 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_HOST_IP": cfg.host.ip,
         "PD_BIND": cfg.compose.bind,
         "PD_LOCAL_ADDR": local_addr(cfg),
+        "PD_PROXY_SCHEME": "https" if cfg.tls.cert_file else "http",
+        "PD_KEYS_DIR": str(k.dir),
+        "PD_API_KEY_FILE": str(k.api_key),
+        "PD_SIDE_CHANNEL_KEY_FILE": str(k.side_channel_key),
+        "PD_INTERNAL_NETWORKS": json.dumps(cfg.host.internal_networks),
+        "PD_MC_MIN_PORT": str(cfg.transfer.port_range[0]),
+        "PD_MC_MAX_PORT": str(cfg.transfer.port_range[1]),
         "PD_MODEL": m.path,
         "PD_SERVED_MODEL_NAME": m.name,
         "PD_PREFILL_TP_SIZE": str(m.tp("prefill")),
@@ -95,13 +126,13 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_KV_RECV_TIMEOUT": _num(t.kv_recv_s),
         "PD_BOOTSTRAP_TTL": _num(t.bootstrap_ttl_s),
         "PD_BOOTSTRAP_TOKEN_FILE": token,
-        "PD_BOOTSTRAP_ARGS": shlex.join(["--token-file", token]) if token else "",
+        "PD_BOOTSTRAP_ARGS": shlex.join(["--token-file", token]),
         "PD_PREFILL_TIMEOUT": _num(t.prefill_s),
         "PD_DECODE_READ_TIMEOUT": _num(t.decode_read_s),
         "PD_VLLM_START_PERIOD": f"{int(t.startup_s)}s",
         "PD_PREFILL_ARGS": shlex.join([*common, *m.prefill_extra_args]),
         "PD_DECODE_ARGS": shlex.join([*common, *m.decode_extra_args]),
-        "PD_PROXY_ARGS": shlex.join(proxy_args),
+        "PD_PROXY_ARGS": shlex.join(proxy_args(cfg, out_dir)),
     }
 
 
@@ -172,11 +203,12 @@ def read_api_keys(path: Path) -> list[str]:
 def placement_problems(cfg: HostConfig, out_dir: Path) -> list[str]:
     """Files the containers read must be inside the directory mounted into them."""
     out = []
-    for key in ("api_keys_file", "bootstrap_token_file"):
-        value = getattr(cfg.auth, key)
+    for section, key in (("auth", "api_keys_file"), ("auth", "bootstrap_token_file"),
+                         ("tls", "cert_file"), ("tls", "key_file")):
+        value = getattr(getattr(cfg, section), key)
         if value and not Path(value).is_relative_to(out_dir):
-            out.append(f"auth.{key}: {value} must be inside {out_dir} (the directory mounted "
-                       f"into the containers)")
+            out.append(f"{section}.{key}: {value} must be inside {out_dir} (the directory "
+                       f"mounted into the containers)")
     return out
 
 
@@ -195,21 +227,23 @@ def render(cfg: HostConfig, config_path: Path, out_dir: Path) -> list[Path]:
     problems = placement_problems(cfg, out_dir)
     if problems:
         raise ConfigError(problems)
-    keys: list[str] = []
+    client_keys: list[str] = []
     if cfg.auth.api_keys_file:
         try:
-            keys = read_api_keys(Path(cfg.auth.api_keys_file))
+            client_keys = read_api_keys(Path(cfg.auth.api_keys_file))
         except OSError as exc:
             raise ConfigError(f"auth.api_keys_file: {cfg.auth.api_keys_file}: "
                               f"{exc.strerror or exc}") from None
-        if not keys:
+        if not client_keys:
             raise ConfigError(f"auth.api_keys_file: {cfg.auth.api_keys_file} has no keys")
     written = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        if keys:
+        keys.ensure(keys_dir(out_dir))  # the ones `pdctl init` wrote stay as they are
+        if client_keys:
+            listed = ", ".join(json.dumps(k) for k in client_keys)
             _write(out_dir / PROXY_FILE, "# Written by `pdctl render`: the proxy's API keys.\n"
-                   f"[proxy]\napi_keys = [{', '.join(json.dumps(k) for k in keys)}]\n", 0o600)
+                   f"[proxy]\napi_keys = [{listed}]\n", 0o600)
             written.append(out_dir / PROXY_FILE)
         _write(out_dir / ENV_FILE, env_file_text(cfg, out_dir, config_path))
         _write(out_dir / COMPOSE_FILE, repo_file(COMPOSE_FILE).read_text())

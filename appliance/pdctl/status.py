@@ -4,6 +4,7 @@ and the counters from the metrics, as one table or JSON."""
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -89,8 +90,11 @@ class Reply:
 
 def fetch(url: str, timeout: float = 3.0, headers: Mapping[str, str] | None = None) -> Reply:
     req = urllib.request.Request(url, headers=dict(headers or {}))
+    # This host's own proxy over TLS: its certificate names the client-facing host, not the
+    # local address asked here.
+    ctx = ssl._create_unverified_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:
             return Reply(resp.status, resp.read().decode(errors="replace"))
     except urllib.error.HTTPError as exc:
         return Reply(exc.code, exc.read().decode(errors="replace"), f"HTTP {exc.code}")
@@ -146,9 +150,10 @@ def _transfer_counters(samples: list[tuple[str, dict[str, str], float]],
 
 def gather(endpoints: Endpoints, processes: Mapping[str, ProcessState] | None, mode: str,
            problems: list[str] | None = None, timeout: float = 3.0,
-           api_key: str | None = None) -> NodeStatus:
+           api_key: str | None = None, bootstrap_token: str | None = None) -> NodeStatus:
     status = NodeStatus(mode=mode, services=[], problems=list(problems or []))
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    boot_auth = {"Authorization": f"Bearer {bootstrap_token}"} if bootstrap_token else None
     for name in SERVICES:
         url = endpoints.url(name)
         proc = (processes or {}).get(name)
@@ -174,7 +179,7 @@ def gather(endpoints: Endpoints, processes: Mapping[str, ProcessState] | None, m
         if health.status is None:
             continue
         if name == "bootstrap":
-            query = fetch(f"{url}/query", timeout).json() or {}
+            query = fetch(f"{url}/query", timeout, boot_auth).json() or {}
             if isinstance(query, dict):
                 status.engine_ids = sorted(str(v.get("engine_id")) for v in query.values()
                                            if isinstance(v, dict))

@@ -16,6 +16,7 @@ from appliance.proxy.settings import load_settings
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         settings = load_settings(argv)
+        tls = settings.listener_ssl()
     except (OSError, ValueError) as exc:
         if isinstance(exc, ValidationError):
             msg = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
@@ -29,13 +30,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("appliance.proxy").info(
-        "proxy on %s:%d: prefill %s, decode %s, policy %s", settings.host, settings.port,
+        "proxy on %s://%s:%d: prefill %s, decode %s, policy %s", "https" if tls else "http",
+        settings.host, settings.port,
         [f"{n.url} ({n.bootstrap_url})" for n in settings.prefill],
         [n.url for n in settings.decode], settings.policy)
     # handler_cancellation: a client that hangs up cancels its handler, which closes both
     # upstream connections, so vLLM aborts the requests.
     web.run_app(build_app(settings), host=settings.host, port=settings.port, print=None,
-                access_log=None, handler_cancellation=True)
+                access_log=None, handler_cancellation=True, ssl_context=tls)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from appliance.connector import curve
 from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
 from appliance.proxy import first_token
 from appliance.proxy.backends import Backend, Backends, HealthPoller, PrefillBackend
@@ -51,7 +52,9 @@ access_log = logging.getLogger("appliance.proxy.access")
 log = logging.getLogger("appliance.proxy")
 
 _encode = msgspec.json.encode
-_OPS_PATHS = frozenset({"/health", "/metrics", "/status"})
+# Keyed with auth_ops_endpoints; /health stays open: it says only ready or not, and load
+# balancers and the container's health check probe it without a key.
+_OPS_PATHS = frozenset({"/metrics", "/status"})
 # One upstream call of the cold path: pool, response sent already (or None), body, read
 # timeout, headers.
 _Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
@@ -97,13 +100,16 @@ class Proxy:
         # just as vLLM closes it (a classic source of "failed after the router idled").
         # Read timeouts are checked every tick, so a tick is a fraction of the shortest one.
         tick = min(0.25, settings.prefill_timeout_s / 10, settings.decode_read_timeout_s / 10)
-        self.upstreams = Upstreams(keepalive_s=4.0,
-                                   connect_timeout_s=settings.connect_timeout_s, tick_s=tick)
-        self.releaser = KVReleaser(self.metrics)
+        self.tls = settings.upstream_ssl()
+        self.upstreams = Upstreams(keepalive_s=4.0, connect_timeout_s=settings.connect_timeout_s,
+                                   tick_s=tick, tls=self.tls)
+        self.releaser = KVReleaser(self.metrics,
+                                   curve_key=curve.load(settings.side_channel_key_file))
 
     async def start(self, _app: web.Application | None = None) -> None:
         # aiohttp's client for the light traffic: health checks, /query, /v1/models.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, ttl_dns_cache=300)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, ttl_dns_cache=300,
+                                         ssl=self.tls)
         # Bodies are relayed as they come, so ask for them uncompressed; no cookies either.
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
@@ -698,12 +704,13 @@ async def serve(settings: ProxySettings) -> RunningProxy:
     """Start the proxy on settings.host:settings.port (0: any free port)."""
     runner = web.AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    tls = settings.listener_ssl()
+    site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
     await site.start()
     sock = site._server.sockets[0]  # type: ignore[union-attr]
     host, port = sock.getsockname()[:2]
     host = "127.0.0.1" if host == "0.0.0.0" else host
-    return RunningProxy(runner, f"http://{host}:{port}")
+    return RunningProxy(runner, f"{'https' if tls else 'http'}://{host}:{port}")
 
 
 async def _prepare_stream(request: web.Request, rec: Record, status: int,

@@ -155,7 +155,9 @@ class HealthPoller:
         self.session = session
         self.interval = settings.health_interval_s
         self.timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
-        self.headers = headers  # for P and D (vLLM's --api-key); the bootstrap gets none
+        self.headers = headers  # for P and D (vLLM's --api-key)
+        self.bootstrap_headers = ({"Authorization": f"Bearer {settings.bootstrap_token}"}
+                                  if settings.bootstrap_token else None)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -210,7 +212,8 @@ class HealthPoller:
             self.backends.set_health(b, False, _reason(exc), engine_ids={})
             return
         try:
-            answer = decode_query(await self._get(f"{b.bootstrap_url}/query"))
+            answer = decode_query(await self._get(f"{b.bootstrap_url}/query",
+                                                  self.bootstrap_headers))
             engine_ids = {int(rank): view.engine_id for rank, view in answer.items()}
             side_channels = {int(rank): [addr for pps in view.worker_addr.values()
                                          for addr in pps.values()]

@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from appliance.connector import messages as m
+from appliance.connector.curve import CurveKey, set_client
 from appliance.proxy.backends import PrefillBackend
 from appliance.proxy.metrics import ProxyMetrics
 
@@ -53,10 +54,12 @@ class PrefillKV:
 
 class KVReleaser:
     """One DEALER per P worker address, the least recently used closed beyond
-    _MAX_SOCKETS; replies are read and dropped."""
+    _MAX_SOCKETS; replies are read and dropped. With `curve_key` (the cluster's side-channel
+    key) each DEALER is a CURVE client: P's workers refuse releases without it."""
 
-    def __init__(self, metrics: ProxyMetrics) -> None:
+    def __init__(self, metrics: ProxyMetrics, curve_key: CurveKey | None = None) -> None:
         self.metrics = metrics
+        self._curve_key = curve_key
         self._ctx: zmq.asyncio.Context | None = None
         self._socks: OrderedDict[str, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = (
             OrderedDict())
@@ -97,6 +100,8 @@ class KVReleaser:
             self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve_key is not None:
+            set_client(sock, self._curve_key)
         sock.connect(addr)
         self._socks[addr] = (sock, asyncio.ensure_future(self._drain(addr, sock)))
         while len(self._socks) > _MAX_SOCKETS:

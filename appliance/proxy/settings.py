@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 DEFAULT_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -24,9 +25,19 @@ def _http_url(value: str, schemes: tuple[str, ...] = ("http", "https")) -> str:
 
 
 def _node_url(value: str) -> str:
-    # vLLM nodes are spoken to in plain HTTP/1.1 by the proxy's own lean client (TLS, if
-    # any, ends in front of the proxy); bootstrap URLs may be https.
-    return _http_url(value, ("http",))
+    # http:// on one host or a private network; https:// (vLLM's --ssl-certfile) when the
+    # proxy reaches P or D across a network others share (see upstream_ca_file).
+    return _http_url(value)
+
+
+def _read_secret(path: str, what: str) -> str:
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: {exc.strerror or exc}") from None
+    if not value:
+        raise ValueError(f"{what} {path} is empty")
+    return value
 
 
 class PrefillNode(BaseModel):
@@ -98,14 +109,59 @@ class ProxySettings(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Bearer keys for the /v1/ routes; empty: no auth.
     api_keys: list[str] = Field(default_factory=list)
-    # Also require a key on /health, /metrics and /status.
+    # Also require a key on /metrics and /status (/health stays open).
     auth_ops_endpoints: bool = False
     # Sent to P and D as `Authorization: Bearer` (vLLM's --api-key), never the client's key.
     backend_api_key: str | None = None
+    backend_api_key_file: str | None = None  # read into backend_api_key when that is unset
+    # The bootstrap sidecars' shared token (their /query needs it).
+    bootstrap_token: str | None = None
+    bootstrap_token_file: str | None = None
+    # ZMQ CURVE secret of the node's side channels (the proxy sends P its releases there).
+    side_channel_key_file: str | None = None
+
+    # TLS on the client-facing listener: both files, or neither.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    # CA bundle that https:// P, D and bootstrap URLs are verified with (default: the
+    # system's).
+    upstream_ca_file: str | None = None
 
     log_level: str = "INFO"
     # One log line per request; off in benchmarks.
     log_requests: bool = True
+
+
+    @model_validator(mode="after")
+    def _files(self) -> ProxySettings:
+        if self.backend_api_key is None and self.backend_api_key_file:
+            self.backend_api_key = _read_secret(self.backend_api_key_file,
+                                                "backend_api_key_file")
+        if self.bootstrap_token is None and self.bootstrap_token_file:
+            self.bootstrap_token = _read_secret(self.bootstrap_token_file,
+                                                "bootstrap_token_file")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        return self
+
+    def listener_ssl(self) -> ssl.SSLContext | None:
+        """The client-facing TLS context, or None for plain HTTP."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"tls_cert_file/tls_key_file: {exc}") from None
+        return ctx
+
+    def upstream_ssl(self) -> ssl.SSLContext:
+        """How https:// upstreams are verified: upstream_ca_file, else the system's CAs."""
+        try:
+            return ssl.create_default_context(cafile=self.upstream_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"upstream_ca_file {self.upstream_ca_file}: {exc}") from None
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -166,6 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-ops-endpoints", action=argparse.BooleanOptionalAction)
     p.add_argument("--backend-api-key", metavar="KEY",
                    help="sent to P and D as a Bearer token (their --api-key)")
+    p.add_argument("--backend-api-key-file", metavar="FILE",
+                   help="file holding the key P and D require (instead of --backend-api-key)")
+    p.add_argument("--bootstrap-token-file", metavar="FILE",
+                   help="file holding the bootstrap sidecars' token (their /query needs it)")
+    p.add_argument("--side-channel-key-file", metavar="FILE",
+                   help="ZMQ CURVE secret of the node's side channels (KV releases to P)")
+    p.add_argument("--tls-cert-file", metavar="FILE", help="serve HTTPS with this certificate")
+    p.add_argument("--tls-key-file", metavar="FILE", help="... and this private key")
+    p.add_argument("--upstream-ca-file", metavar="FILE",
+                   help="CA bundle for https:// prefill, decode and bootstrap URLs")
     p.add_argument("--log-level")
     p.add_argument("--log-requests", action=argparse.BooleanOptionalAction)
     return p

@@ -13,6 +13,7 @@ Health checks, /query and /v1/models still use aiohttp's client.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
@@ -357,15 +358,20 @@ class Pool:
     """Keep-alive connections to one node."""
 
     def __init__(self, base_url: str, keepalive_s: float, connect_timeout: float,
-                 loop: asyncio.AbstractEventLoop, active: set[Response]) -> None:
+                 loop: asyncio.AbstractEventLoop, active: set[Response],
+                 tls: ssl.SSLContext | None = None) -> None:
         self.loop = loop
         self.connect_timeout = connect_timeout
         self.active = active  # calls waiting for bytes, watched for read timeouts
         parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"upstream nodes are plain http://host:port, got {base_url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"upstream nodes are http(s)://host:port, got {base_url!r}")
+        if parts.scheme == "https" and tls is None:
+            raise ValueError(f"{base_url}: an https upstream needs a TLS context")
         self.host = parts.hostname
-        self.port = parts.port or 80
+        # Certificates are checked against the URL's host name, as any HTTPS client does.
+        self.tls = tls if parts.scheme == "https" else None
+        self.port = parts.port or (443 if self.tls else 80)
         self.prefix = parts.path.rstrip("/")
         self.host_header = parts.netloc
         self.keepalive_s = keepalive_s
@@ -395,10 +401,12 @@ class Pool:
         timeout = self.connect_timeout
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(_Connection, self.host, self.port), timeout)
+                loop.create_connection(_Connection, self.host, self.port, ssl=self.tls,
+                                       server_hostname=self.host if self.tls else None),
+                timeout)
         except asyncio.TimeoutError:
             raise UpstreamError("connect", f"connect timed out after {timeout:g} s") from None
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError included: a certificate that fails to verify
             raise UpstreamError("connect", f"cannot connect: {exc}") from None
         return conn
 
@@ -443,8 +451,10 @@ class Pool:
 class Upstreams:
     """A pool per node URL, and the watchdog that enforces read timeouts."""
 
-    def __init__(self, keepalive_s: float, connect_timeout_s: float, tick_s: float) -> None:
+    def __init__(self, keepalive_s: float, connect_timeout_s: float, tick_s: float,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.keepalive_s = keepalive_s
+        self.tls = tls  # for https:// nodes
         self.connect_timeout_s = connect_timeout_s
         self.tick_s = tick_s  # timeouts fire up to this late
         self.active: set[Response] = set()
@@ -467,7 +477,8 @@ class Upstreams:
         if pool is None:
             pool = self._pools[base_url] = Pool(base_url, self.keepalive_s,
                                                 self.connect_timeout_s,
-                                                asyncio.get_running_loop(), self.active)
+                                                asyncio.get_running_loop(), self.active,
+                                                self.tls)
         return pool
 
     async def close(self) -> None:

@@ -31,8 +31,8 @@ class Server:
         async with self.http.post(self.url + path, data=data, headers=headers) as r:
             return r.status, await r.json(content_type=None)
 
-    async def get(self, path: str) -> tuple[int, dict]:
-        async with self.http.get(self.url + path) as r:
+    async def get(self, path: str, headers=None) -> tuple[int, dict]:
+        async with self.http.get(self.url + path, headers=headers) as r:
             return r.status, await r.json(content_type=None)
 
     async def delete(self, path: str, headers=None) -> tuple[int, dict]:
@@ -167,9 +167,17 @@ async def test_token_required_when_configured():
     try:
         assert (await srv.post("/register", REG))[0] == 401
         assert (await srv.post("/register", REG, {"Authorization": "Bearer wrong"}))[0] == 401
-        assert await srv.get("/query") == (200, {})
+        assert (await srv.get("/query"))[0] == 401  # it names P's side channels
+        assert (await srv.get("/query", {"Authorization": "Bearer wrong"}))[0] == 401
+        assert (await srv.get("/health"))[0] == 200
         ok = {"Authorization": "Bearer s3cret"}
         assert (await srv.post("/register", REG, ok))[0] == 200
+        assert (await srv.get("/query", ok))[1]["0"]["engine_id"] == "6c1f-e2"
+        client = BootstrapClient(srv.url, token="s3cret")
+        try:
+            assert (await client.query())["0"].engine_id == "6c1f-e2"
+        finally:
+            await client.close()
         assert (await srv.delete("/engines/6c1f-e2"))[0] == 401
         assert (await srv.delete("/engines/6c1f-e2", ok))[0] == 200
     finally:
@@ -228,3 +236,9 @@ def test_module_entry_point_serves_and_rejects_bad_settings(tmp_path):
     assert bad.returncode == 2
     expected = f"bootstrap: error: token file {tmp_path / 'empty'} is empty"
     assert bad.stderr.strip().splitlines() == [expected]
+    # A sidecar anyone may register with is a choice, never a default.
+    bare = subprocess.run([sys.executable, "-m", "appliance.bootstrap"], capture_output=True,
+                          text=True, timeout=30)
+    assert bare.returncode == 2
+    assert bare.stderr.strip().splitlines() == [
+        "bootstrap: error: give --token-file FILE (the shared token) or --no-token"]

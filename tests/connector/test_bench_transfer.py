@@ -51,3 +51,15 @@ def test_bench_transfer_model_shapes_run() -> None:
     for case in ("mla", "sliding", "tp1-2", "tp2-1"):
         assert case in out
     assert "ours/raw" in out
+
+
+@pytest.mark.slow
+def test_bench_transfer_side_channel_auth_runs() -> None:
+    """The whole side-channel path through a real Sender and Receiver, CURVE off and on."""
+    pytest.importorskip("mooncake.engine")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transfer.py"), "--auth", "both", "--layers", "2",
+         "--blocks", "4", "--p-first", "1", "--d-first", "3", "--reps", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    assert "CURVE off ms" in out and "CURVE on ms" in out and "on/off" in out

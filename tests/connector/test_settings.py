@@ -23,6 +23,17 @@ def test_defaults_and_roles() -> None:
         "rdma", "mlx5_0", 5)
 
 
+def test_side_channel_security_settings() -> None:
+    s = ConnectorSettings.from_kv_transfer_config(config())
+    assert (s.side_channel_key_file, s.max_message_bytes, s.max_message_entries,
+            s.internal_networks) == (None, 16 << 20, 512, None)  # off, bounded, D's own host
+    s = ConnectorSettings.from_kv_transfer_config(config(
+        side_channel_key_file="/run/secrets/pd.key", max_message_entries=8,
+        internal_networks=["10.1.2.3/8", "fd00::/8"]))
+    assert s.side_channel_key_file == "/run/secrets/pd.key" and s.max_message_entries == 8
+    assert s.internal_networks == ("10.0.0.0/8", "fd00::/8")  # normalized, host bits dropped
+
+
 def test_token_file_is_read(tmp_path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
@@ -37,6 +48,10 @@ def test_token_file_is_read(tmp_path) -> None:
     (config(cpu_push_delay_ms=-1), ["cpu_push_delay_ms"]),
     (config(early_psuh=False), ["early_psuh"]),  # a typo is an error, not ignored
     (config(recv_timeout_s=0, num_workers=0), ["recv_timeout_s", "num_workers"]),
+    (config(internal_networks=["10.0.0.0/33"]), ["internal_networks", "not a CIDR"]),
+    (config(internal_networks=["d-host"]), ["internal_networks", "d-host"]),
+    (config(max_message_bytes=0, max_message_entries=0),
+     ["max_message_bytes", "max_message_entries"]),
 ])
 def test_bad_settings_fail_with_one_line_naming_them(cfg, words) -> None:
     with pytest.raises(ValueError) as err:

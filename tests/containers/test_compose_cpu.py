@@ -27,6 +27,7 @@ from appliance.process import (
     cpu_env,
     vllm_serve_argv,
 )
+from tests import netlisten
 from tests.conftest import free_port
 from tests.containers.engine import (
     DockerEngine,
@@ -172,6 +173,23 @@ def test_greedy_output_through_containers_equals_a_plain_server(engine, node, ex
     # D used P's KV: one pull per request, none failed.
     assert after["decode.received"] - before == len(expected)
     assert after.get("decode.receive_failures", 0) == 0
+
+
+def test_nothing_listens_on_a_wildcard_but_the_proxy_and_mooncake(engine, node):
+    """P, D and the sidecar listen on host.ip alone; the proxy on compose.bind (0.0.0.0
+    here, as configured); Mooncake, which cannot be bound, within transfer.port_range."""
+    roots = set()
+    for service in ("bootstrap", "prefill", "decode", "proxy"):
+        pid = engine.docker("inspect", "-f", "{{.State.Pid}}", f"{PROJECT}-{service}-1")
+        roots.add(int(pid.stdout.strip()))
+    found = netlisten.listeners(netlisten.descendants(roots))
+    proxy_port = int(node["proxy"].rsplit(":", 1)[1])
+    for addr, port, _pid in found:
+        if addr in netlisten.WILDCARDS:
+            assert port == proxy_port or 17000 <= port <= 17199, f"{addr}:{port}"
+        else:
+            assert addr == "127.0.0.1", f"{addr}:{port}"
+    assert any(p == proxy_port for _, p, _ in found)
 
 
 def test_logs_prints_decode_log(engine, node):

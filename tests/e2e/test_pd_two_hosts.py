@@ -57,7 +57,8 @@ async def test_two_hosts_equal_plain_server(tiny_model, plain_server, tmp_path):
 
         services = [
             ServiceProcess("bootstrap", in_ns(ns_p, [sys.executable, "-m", "appliance.bootstrap",
-                                                     "--host", ip_p, "--port", "8998"]),
+                                                     "--host", ip_p, "--port", "8998",
+                                                     "--no-token"]),
                            tmp_path / "bootstrap.log"),
             vllm("prefill", ns_p, ip_p, 8010, spec_p, "kv_producer", 0),
             vllm("decode", ns_d, ip_d, 8020, spec_d, "kv_consumer", 1),

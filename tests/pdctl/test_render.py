@@ -91,7 +91,13 @@ def test_default_rdma_host(render):
         assert svc["environment"]["VLLM_HOST_IP"] == "10.0.0.11"
         assert svc["depends_on"]["bootstrap"]["condition"] == "service_healthy"
         argv = svc["command"]
-        assert argv[:3] == ["vllm", "serve", "/models/qwen"]
+        assert argv[:5] == ["python3", "-m", "appliance.launcher", "serve", "/models/qwen"]
+        # P and D listen on the internal address alone, and need the node's api key
+        assert flag(argv, "--host") == "10.0.0.11"
+        assert svc["environment"]["PD_API_KEY_FILE"] == f"{out}/keys/api-key"
+        assert (svc["environment"]["MC_MIN_RPC_PORT"], svc["environment"]["MC_MAX_RPC_PORT"]) \
+            == ("17000", "17199")
+        assert ("--middleware" in argv) == (role == "decode")
         assert flag(argv, "--port") == str(port) and flag(argv, "--served-model-name") == "qwen"
         assert flag(argv, "--tensor-parallel-size") == "1"
         assert flag(argv, "--block-size") == "16"
@@ -104,24 +110,32 @@ def test_default_rdma_host(render):
         assert (extra["protocol"], extra["device_name"], extra["host"]) == \
             ("rdma", "mlx5_0", "10.0.0.11")
         # every key is one the connector accepts
-        token = extra.pop("bootstrap_token_file", None)
-        assert not token
+        assert extra.pop("bootstrap_token_file") == f"{out}/keys/bootstrap-token"
+        assert extra.pop("side_channel_key_file") == f"{out}/keys/side-channel.key"
+        if role == "decode":
+            assert extra["allowed_bootstrap_addrs"] == ["http://10.0.0.11:8998"]
         ConnectorSettings(engine_id=engine, role="producer" if role == "prefill" else
                           "consumer", **extra)
-        assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health"
+        assert svc["healthcheck"]["test"][-1] == f"http://10.0.0.11:{port}/health"
         assert {"source": "/models/qwen", "target": "/models/qwen", "read_only": True} \
             .items() <= next(v for v in svc["volumes"] if v["target"] == "/models/qwen").items()
     assert kv_config(services["prefill"]["command"])["kv_connector_extra_config"][
-        "bootstrap_addr"] == "http://127.0.0.1:8998"
+        "bootstrap_addr"] == "http://10.0.0.11:8998"
 
     proxy = services["proxy"]
     assert proxy["image"] == "pd-appliance/slim:0.1.0"
     assert proxy["command"][:3] == ["python", "-m", "appliance.proxy"]
     settings = load_settings(proxy["command"][3:], environ={})
-    assert settings.port == 8000
+    assert settings.port == 8000 and settings.host == "0.0.0.0"  # the client-facing one
     assert [(p.url, p.bootstrap_url) for p in settings.prefill] == \
-        [("http://127.0.0.1:8010", "http://127.0.0.1:8998")]
-    assert [d.url for d in settings.decode] == ["http://127.0.0.1:8020"]
+        [("http://10.0.0.11:8010", "http://10.0.0.11:8998")]
+    assert [d.url for d in settings.decode] == ["http://10.0.0.11:8020"]
+    assert settings.backend_api_key == (out / "keys/api-key").read_text().strip()
+    assert settings.bootstrap_token == (out / "keys/bootstrap-token").read_text().strip()
+    assert settings.side_channel_key_file == f"{out}/keys/side-channel.key"
+    for name in ("api-key", "bootstrap-token", "side-channel.key"):
+        assert (out / "keys" / name).stat().st_mode & 0o777 == 0o600
+    assert (out / "keys").stat().st_mode & 0o777 == 0o700
     assert {k: v["condition"] for k, v in proxy["depends_on"].items()} == \
         {"bootstrap": "service_healthy", "prefill": "service_healthy",
          "decode": "service_healthy"}
@@ -129,7 +143,8 @@ def test_default_rdma_host(render):
     boot = services["bootstrap"]
     assert boot["command"][:3] == ["python", "-m", "appliance.bootstrap"]
     ctx = bootstrap_cli.make_context("bootstrap", boot["command"][3:])
-    assert ctx.params["port"] == 8998 and ctx.params["token_file"] is None
+    assert ctx.params["port"] == 8998 and ctx.params["host"] == "10.0.0.11"
+    assert str(ctx.params["token_file"]) == f"{out}/keys/bootstrap-token"
     # the rendered unit is the one config/ ships for the default paths
     assert (out / "pd-appliance.service").exists()
 

@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 
+from tests import netlisten
 from tests.conftest import MODEL_CACHE, free_port
 
 pytestmark = pytest.mark.slow
@@ -162,6 +164,22 @@ def test_up_local_serves_like_a_plain_server_and_down_leaves_nothing(plain_serve
         counters = status["counters"]
         assert counters["requests_ok"] >= 3
         assert counters["requests_ok"] + counters["requests_failed"] >= 5
+
+        # secure by default: keys, and nothing on a wildcard address but Mooncake's ports
+        for name in ("api-key", "bootstrap-token", "side-channel.key"):
+            assert (node.run_dir / "keys" / name).stat().st_mode & 0o777 == 0o600
+        found = netlisten.listeners(set(group_members(groups)))
+        assert {a for a, _, _ in found} - netlisten.WILDCARDS == {"127.0.0.1"}
+        for addr, port, _pid in found:
+            if addr in netlisten.WILDCARDS:
+                assert 17000 <= port <= 17199, f"{addr}:{port} listens on every address"
+        for service in ("prefill", "decode"):
+            url = node.state()["endpoints"][service] + "/v1/completions"
+            req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=30)
+            assert err.value.code == 401, service
 
         # down from another shell: everything stops, the foreground `up` exits cleanly
         res = subprocess.run([PDCTL, "down", "--local", "--run-dir", str(node.run_dir)],

@@ -4,6 +4,7 @@ nodes, all on 127.0.0.1 with ephemeral ports."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -112,12 +113,14 @@ async def make_cluster() -> AsyncIterator[MakeCluster]:
     made: list[Cluster] = []
 
     async def make(n_prefill: int = 1, n_decode: int = 1, dp_ranks: int = 1,
-                   engines: bool = True, ready: bool = True, **overrides: Any) -> Cluster:
+                   engines: bool = True, ready: bool = True,
+                   upstream_tls: ssl.SSLContext | None = None, **overrides: Any) -> Cluster:
         prefill = [FakeVLLM(f"p{i}") for i in range(n_prefill)]
         bootstraps = [FakeBootstrap({r: f"engine-p{i}-dp{r}" for r in range(dp_ranks)}
                                     if engines else {}) for i in range(n_prefill)]
         decode = [FakeVLLM(f"d{i}") for i in range(n_decode)]
         for node in [*prefill, *bootstraps, *decode]:
+            node.tls = upstream_tls
             await node.start()
         settings = ProxySettings.model_validate({
             **FAST,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,15 +42,17 @@ class FakeServer:
         self.app = web.Application()
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self.tls: ssl.SSLContext | None = None  # set before start(): serve https
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True)
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True,
+                           ssl_context=self.tls)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 

@@ -81,7 +81,9 @@ async def test_api_keys(make_cluster: MakeCluster) -> None:
 
 async def test_api_keys_on_ops_endpoints(make_cluster: MakeCluster) -> None:
     c = await make_cluster(api_keys=["k"], auth_ops_endpoints=True, ready=False)
-    for path in ("/health", "/metrics", "/status"):
+    async with c.http.get(f"{c.url}/health") as r:
+        assert r.status == 503  # open: it says only whether the node is ready
+    for path in ("/metrics", "/status"):
         async with c.http.get(f"{c.url}{path}") as r:
             assert r.status == 401, path
         async with c.http.get(f"{c.url}{path}", headers={"Authorization": "Bearer k"}) as r:
@@ -94,6 +96,14 @@ async def test_backend_api_key_is_sent_upstream(make_cluster: MakeCluster) -> No
     for n in [*c.prefill, *c.decode]:
         assert n.received[0].headers["Authorization"] == "Bearer vllm-key"
     assert "Authorization" not in c.bootstraps[0].last_headers  # not its business
+
+
+async def test_bootstrap_token_is_sent_to_query(make_cluster: MakeCluster) -> None:
+    c = await make_cluster(backend_api_key="vllm-key", bootstrap_token="boot-token")
+    assert (await c.post())[0] == 200
+    assert c.bootstraps[0].last_headers["Authorization"] == "Bearer boot-token"
+    for n in [*c.prefill, *c.decode]:
+        assert n.received[0].headers["Authorization"] == "Bearer vllm-key"
 
 
 async def test_models_from_a_healthy_decode_node(make_cluster: MakeCluster) -> None:

@@ -1,0 +1,144 @@
+"""The host config's node-facing sections (transfer, ports, timeouts, auth, TLS, images,
+compose) and the pieces every section shares; `appliance.pdctl.config` puts them together."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+VERSION_TAG = "0.1.0"
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_UNSAFE = re.compile(r"[\s'\"$`\\]")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _safe_path(value: str, what: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"{what} must be an absolute path")
+    if _UNSAFE.search(value):
+        raise ValueError(f"{what} must not contain spaces, quotes, '$' or backslashes")
+    return value.rstrip("/") or "/"
+
+
+class TransferSection(_Section):
+    # Set explicitly: "rdma" on GPU hosts with RDMA NICs, "tcp" anywhere else.
+    protocol: Literal["rdma", "tcp"] = "rdma"
+    device: str = ""
+    # How the NIC reaches GPU memory: the nvidia_peermem module, or DMA-BUF (open modules).
+    gpudirect: Literal["peermem", "dmabuf"] = "peermem"
+    # Mooncake's handshake and TCP data ports (two per worker) come from this range. Mooncake
+    # listens on every address and cannot be told otherwise, and its endpoints read and write
+    # the memory a request names: firewall this range to the cluster network (README).
+    port_range: tuple[Port, Port] = (17000, 17199)
+
+    @field_validator("port_range")
+    @classmethod
+    def _range(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if v[1] - v[0] < 31:
+            raise ValueError("needs at least 32 ports, first to last (two per worker)")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v and not _NAME.match(v):
+            raise ValueError(f"{v!r} is not an RDMA device name (e.g. mlx5_0)")
+        return v
+
+
+class PortsSection(_Section):
+    proxy: Port = 8000
+    prefill: Port = 8010
+    decode: Port = 8020
+    bootstrap: Port = 8998
+
+
+class TimeoutsSection(_Section):
+    # How long `pdctl up` waits for every service to be healthy (first start loads weights).
+    startup_s: float = Field(900.0, gt=0)
+    prefill_s: float = Field(120.0, gt=0)
+    decode_read_s: float = Field(300.0, gt=0)
+    kv_recv_s: float = Field(60.0, gt=0)
+    kv_send_s: float = Field(120.0, gt=0)
+    bootstrap_ttl_s: float = Field(30.0, ge=0)
+
+
+class AuthSection(_Section):
+    # Clients' keys, one per line; the proxy then requires `Authorization: Bearer <key>` on
+    # /v1/*. The node's own keys (P's and D's api key, the bootstrap token, the side
+    # channels' CURVE key) are always on: `pdctl init` (and render) write them to keys/
+    # beside the rendered files (appliance.keys).
+    api_keys_file: str | None = None
+    # Also ask a client key on the proxy's /metrics and /status (and /health).
+    protect_ops_endpoints: bool = False
+    # Deprecated override of keys/bootstrap-token.
+    bootstrap_token_file: str | None = None
+
+    @field_validator("api_keys_file", "bootstrap_token_file")
+    @classmethod
+    def _file(cls, v: str | None) -> str | None:
+        return None if v is None else _safe_path(v, "the file")
+
+
+class TlsSection(_Section):
+    # HTTPS on the proxy's client-facing listener: both files (inside the config directory,
+    # which the proxy's container mounts), or neither.
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @field_validator("cert_file", "key_file")
+    @classmethod
+    def _file(cls, v: str | None) -> str | None:
+        return None if v is None else _safe_path(v, "the file")
+
+
+class ImagesSection(_Section):
+    # Default: pd-appliance/vllm (GPU stack) or pd-appliance/vllm-cpu (CPU stack).
+    vllm: str | None = None
+    slim: str = f"pd-appliance/slim:{VERSION_TAG}"
+
+    @field_validator("vllm", "slim")
+    @classmethod
+    def _ref(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[a-z0-9][a-z0-9._/:@-]*$", v):
+            raise ValueError(f"{v!r} is not an image reference")
+        return v
+
+
+class ComposeSection(_Section):
+    project: str = "pd-appliance"
+    shm_size: str = "16g"
+    # The proxy's client-facing address (every address by default). P, D and the bootstrap
+    # sidecar listen on host.ip only.
+    bind: str = "0.0.0.0"
+    restart: Literal["unless-stopped", "always", "on-failure", "no"] = "unless-stopped"
+
+    @field_validator("project")
+    @classmethod
+    def _project(cls, v: str) -> str:
+        if not re.match(r"^[a-z0-9][a-z0-9_-]*$", v):
+            raise ValueError("must be lowercase letters, digits, '_' or '-'")
+        return v
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm(cls, v: str) -> str:
+        if not re.match(r"^[1-9][0-9]*[bkmg]?$", v.lower()):
+            raise ValueError(f"{v!r} is not a size (e.g. 16g)")
+        return v.lower()
+
+    @field_validator("bind")
+    @classmethod
+    def _bind(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_address(v))
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address") from None
