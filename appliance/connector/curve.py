@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import logging
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,29 @@ def set_client(sock: zmq.Socket, key: CurveKey) -> None:
     sock.curve_secretkey = key.secret
 
 
+class _Throttled:
+    """One warning per kind every `every_s`, with how many were held back: a client with a
+    wrong key retries about every 100 ms, and each attempt must not become a log line."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.every_s) < self.every_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        log.warning(msg + (f" ({held} more like it in the last {self.every_s:g} s)"
+                           if held else ""), *args)
+
+
+_warn = _Throttled()
+
+
 class _Authenticator(AsyncioAuthenticator):
     """ZAP handler admitting exactly one client public key: the cluster's."""
 
@@ -102,8 +126,8 @@ class _Authenticator(AsyncioAuthenticator):
     def callback(self, domain: str, key: bytes) -> bool:
         if hmac.compare_digest(key, self._public):
             return True
-        log.warning("side channel: refused CURVE client at %s: its key %s is not this "
-                    "cluster's", self._address, key.decode("ascii", "replace"))
+        _warn.warning("auth", "side channel: refused CURVE client at %s: its key %s is not "
+                      "this cluster's", self._address, key.decode("ascii", "replace"))
         return False  # counted from the monitor's HANDSHAKE_FAILED_AUTH event
 
 
@@ -130,14 +154,15 @@ class CurveServer:
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._on_reject("auth")
                 if value != 400:  # 400: our handler's denial, logged there with the peer
-                    log.warning("side channel %s: refused a client: ZAP status %d",
-                                endpoint, value)
+                    _warn.warning("zap", "side channel %s: refused a client: ZAP status %d",
+                                  endpoint, value)
                 continue
             self._on_reject("handshake")
             why = (_PROTOCOL_ERRORS.get(value, f"protocol error {value:#x}")
                    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    else f"the connection ended mid-handshake (errno {value})")
-            log.warning("side channel %s: refused a handshake: %s", endpoint, why)
+            _warn.warning("handshake", "side channel %s: refused a handshake: %s", endpoint,
+                          why)
 
     def close(self) -> None:
         self._task.cancel()

@@ -360,3 +360,19 @@ def test_check_blocks_uses_the_smallest_cache_and_its_groups():
     assert "beyond D's 8 blocks" in guard.check_blocks(past, layout)
     one = msgspec.structs.replace(ok, reqs=[m.ReqEntry("d1", "x1", [[1]])])
     assert "groups" in guard.check_blocks(one, layout)
+
+
+def test_refusal_warnings_are_throttled(caplog):
+    from appliance.connector.curve import _Throttled
+
+    t = _Throttled(every_s=60)
+    with caplog.at_level("WARNING", logger="vllm.appliance.connector.curve"):
+        for _ in range(5):
+            t.warning("auth", "refused %s", "x")
+        t.warning("handshake", "refused %s", "y")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["refused x", "refused y"]
+    t._last["auth"] -= 61  # a minute later: one line, saying how many were held back
+    with caplog.at_level("WARNING", logger="vllm.appliance.connector.curve"):
+        t.warning("auth", "refused %s", "z")
+    assert caplog.records[-1].getMessage() == "refused z (4 more like it in the last 60 s)"

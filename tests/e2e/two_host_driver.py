@@ -31,7 +31,8 @@ async def main(args: dict) -> None:
                 raise SystemExit(f"{url} never became healthy")
             time.sleep(0.5)
     answers = []
-    async with aiohttp.ClientSession() as http:
+    headers = {"Authorization": f"Bearer {args['api_key']}"} if args.get("api_key") else {}
+    async with aiohttp.ClientSession(headers=headers) as http:
         for prompt in args["prompts"]:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
                     "return_token_ids": True}
