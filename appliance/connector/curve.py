@@ -32,7 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 log = logging.getLogger("vllm.appliance.connector.curve")
 
 _KEY_CHARS = 40  # a 32-byte key in Z85
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _PROTOCOL_ERRORS = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "the client does not speak CURVE",
@@ -84,6 +84,26 @@ def set_client(sock: zmq.Socket, key: CurveKey) -> None:
     sock.curve_serverkey = key.public
     sock.curve_publickey = key.public
     sock.curve_secretkey = key.secret
+
+
+async def handshake_failure(monitor: zmq.asyncio.Socket) -> str:
+    """A client socket's monitor: waits for its first failed handshake, says why.
+
+    Seen from a decode node (or the proxy): the producer's side channel refused us, so
+    nothing we queued for it was delivered and nothing of ours can be written."""
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())
+        kind, value = event["event"], event["value"]
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return f"the producer refused our key (ZAP status {value})"
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                return "one side speaks CURVE and the other does not"
+            if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+                return "the producer's CURVE key is not ours"
+            return f"protocol error {value:#x}"
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            return f"the handshake failed (errno {value})"
 
 
 class _Throttled:
@@ -143,7 +163,7 @@ class CurveServer:
         sock.curve_secretkey = key.secret
         sock.curve_publickey = key.public
         sock.curve_server = True
-        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self._monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         self._task = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:

@@ -68,9 +68,18 @@ class _Peer:
         self.sock.setsockopt(zmq.LINGER, 0)
         if key is not None:
             curve.set_client(self.sock, key)
+        # With or without a key: a producer that refuses our handshake (keys differ after a
+        # rotation not done everywhere, one side without CURVE) fails our pulls at once
+        # instead of at recv_timeout_s.
+        self._monitor = self.sock.get_monitor_socket(curve.HANDSHAKE_FAILED)
         self.sock.connect(addr)
         self.layout_sent = False
         self.task = asyncio.create_task(self._replies(receiver))
+        self.watch = asyncio.create_task(self._handshakes(receiver))
+
+    async def _handshakes(self, receiver: Receiver) -> None:
+        why = await curve.handshake_failure(self._monitor)
+        receiver.on_peer_refused(self, why)
 
     async def _replies(self, receiver: Receiver) -> None:
         while True:
@@ -87,7 +96,13 @@ class _Peer:
 
     def close(self) -> None:
         self.task.cancel()
-        self.sock.close(0)
+        self.watch.cancel()
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
+        self.sock.close(0)  # what is still queued for the producer is dropped with it
 
 
 class Receiver:
@@ -266,6 +281,23 @@ class Receiver:
                 self._answered(inc, peer.addr, f"producer: {why}")
         if resp.status is m.Status.ERROR and not resp.failed:
             log.warning("producer %s rejected a request: %s", peer.addr, resp.message)
+
+    def on_peer_refused(self, peer: _Peer, why: str) -> None:
+        """The producer at `peer` refused our handshake: none of our requests reached it,
+        so none of its writes can land in our blocks. Its pulls fail now (vLLM's load-failure
+        policy recomputes them), the socket and what it queued go, and the next request
+        looks the producer up and connects again."""
+        self.stats.record_rejected("handshake")
+        log.error("side channel to %s refused: %s; check side_channel_key_file is the same "
+                  "on every host (pdctl init --rotate-keys rotates them all); its pulls are "
+                  "computed here", peer.addr, why)
+        if self._peers.get(peer.addr) is peer:
+            del self._peers[peer.addr]
+        peer.close()
+        self._forget_peer(peer.addr)
+        for inc in list(self.incoming.values()):
+            if peer.addr in inc.waiting:
+                self._answered(inc, peer.addr, f"side channel to {peer.addr} refused: {why}")
 
     def _answered(self, inc: Incoming, addr: str, failure: str | None) -> None:
         """One producer worker is done with this pull. It is over once all are: received

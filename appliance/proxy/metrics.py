@@ -94,7 +94,8 @@ class ProxyMetrics:
             "pd_proxy_kv_releases",
             "Releases of P's KV that no decode node would pull (D refused or never got the "
             "request, or the client left first), by outcome: sent, failed, no_address (P's "
-            "side channel unknown; P frees after its send_timeout_s)", ["outcome"], registry=r)
+            "side channel unknown; P frees after its send_timeout_s), refused (P's side "
+            "channel refused the proxy's CURVE handshake)", ["outcome"], registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors",
                                        "Failed upstream requests by backend and kind",
                                        ["role", "backend", "kind"], registry=r)

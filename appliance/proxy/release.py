@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from appliance.connector import messages as m
-from appliance.connector.curve import CurveKey, set_client
+from appliance.connector.curve import HANDSHAKE_FAILED, CurveKey, handshake_failure, set_client
 from appliance.proxy.backends import PrefillBackend
 from appliance.proxy.metrics import ProxyMetrics
 
@@ -52,6 +52,24 @@ class PrefillKV:
             self.taken = True
 
 
+@dataclass
+class _Conn:
+    sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(0)
+        self.sock.close(0)
+
+
 class KVReleaser:
     """One DEALER per P worker address, the least recently used closed beyond
     _MAX_SOCKETS; replies are read and dropped. With `curve_key` (the cluster's side-channel
@@ -61,8 +79,7 @@ class KVReleaser:
         self.metrics = metrics
         self._curve_key = curve_key
         self._ctx: zmq.asyncio.Context | None = None
-        self._socks: OrderedDict[str, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = (
-            OrderedDict())
+        self._socks: OrderedDict[str, _Conn] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def release(self, kv: PrefillKV) -> None:
@@ -92,23 +109,35 @@ class KVReleaser:
             log.info("transfer=%s: released P's KV at %s", transfer_id, ", ".join(addrs))
 
     def _sock(self, addr: str) -> zmq.asyncio.Socket:
-        entry = self._socks.get(addr)
-        if entry is not None:
+        conn = self._socks.get(addr)
+        if conn is not None:
             self._socks.move_to_end(addr)
-            return entry[0]
+            return conn.sock
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve_key is not None:
             set_client(sock, self._curve_key)
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         sock.connect(addr)
-        self._socks[addr] = (sock, asyncio.ensure_future(self._drain(addr, sock)))
+        conn = self._socks[addr] = _Conn(sock, monitor)
+        conn.tasks = [asyncio.ensure_future(self._drain(addr, sock)),
+                      asyncio.ensure_future(self._watch(addr, conn))]
         while len(self._socks) > _MAX_SOCKETS:
-            _, (old, task) = self._socks.popitem(last=False)
-            task.cancel()
-            old.close(0)
+            self._socks.popitem(last=False)[1].close()
         return sock
+
+    async def _watch(self, addr: str, conn: _Conn) -> None:
+        """P's worker refused our handshake: none of our releases reach it (P frees that KV
+        after its send_timeout_s); say so once, count it, and connect afresh next time."""
+        why = await handshake_failure(conn.monitor)
+        self.metrics.kv_releases.labels("refused").inc()
+        log.error("P's side channel %s refused the proxy: %s; check side_channel_key_file is "
+                  "the node's; P frees unreleased KV after its send_timeout_s", addr, why)
+        if self._socks.get(addr) is conn:
+            del self._socks[addr]
+        conn.close()
 
     @staticmethod
     async def _drain(addr: str, sock: zmq.asyncio.Socket) -> None:
@@ -121,10 +150,10 @@ class KVReleaser:
             log.debug("release answered by %s: %s", addr, resp)
 
     async def close(self) -> None:
-        for task in [*self._tasks, *(t for _, t in self._socks.values())]:
+        for task in self._tasks:
             task.cancel()
-        for sock, _ in self._socks.values():
-            sock.close(0)
+        for conn in self._socks.values():
+            conn.close()
         self._socks.clear()
         if self._ctx is not None:
             self._ctx.term()

@@ -184,6 +184,9 @@ async def test_proxy_release_needs_the_key(secure, key):
         await until(lambda: rejected(secure, "handshake") >= 1)
         await asyncio.sleep(0.3)
         assert secure.sender.take_finished() == set()  # still held (send_timeout_s is 3)
+        # the keyless proxy learned it from its own handshake, counted it, dropped the socket
+        await until(lambda: keyless.metrics.kv_releases.labels("refused")._value.get() >= 1)
+        await until(lambda: not keyless._socks)
         keyed.release(PrefillKV(p, 0, "x1"))
         assert await secure.finished_sending(2) == {"p1"}
     finally:
@@ -376,3 +379,26 @@ def test_refusal_warnings_are_throttled(caplog):
     with caplog.at_level("WARNING", logger="vllm.appliance.connector.curve"):
         t.warning("auth", "refused %s", "z")
     assert caplog.records[-1].getMessage() == "refused z (4 more like it in the last 60 s)"
+
+
+@pytest.mark.parametrize("d_key", ["another", "none"])
+async def test_a_decode_node_refused_by_the_producer_fails_its_pull_at_once(secure, tmp_path,
+                                                                            d_key):
+    """Keys that differ (a rotation not done on every host) or a D without CURVE: D learns
+    from its own handshake and fails the pull now, not at recv_timeout_s; nothing written."""
+    other = tmp_path / "other.key"
+    other.write_text(curve.generate_secret() + "\n")
+    settings = secure.d_settings.model_copy(update={
+        "recv_timeout_s": 30.0,
+        "side_channel_key_file": str(other) if d_key == "another" else None})
+    await secure.receiver.close()
+    secure.receiver = Receiver(settings, secure.d.transport, secure.d.regions, "127.0.0.1", 0,
+                               1, secure.d.stats)
+    secure.sender.on_ready("p1", "x1", [[1, 2]], None)
+    started = time.monotonic()
+    secure.receiver.on_recv("d1", secure.spec("x1", [5, 6]))
+    assert await secure.results(timeout=10) == ({"d1"}, {"d1"})
+    assert time.monotonic() - started < 5  # not the 30 s receive deadline
+    assert secure.d.stats.totals["rejected_handshake"] >= 1
+    assert not secure.receiver._peers  # the refused socket and its queue are gone
+    unserved(secure, "x1")

@@ -83,6 +83,19 @@ async def plain_request(base: str, path: str, body: dict) -> dict:
         return result
 
 
+async def openai_chat_stream(base: str, messages: list[dict], max_tokens: int) -> list[str]:
+    """The text pieces of a greedy streaming chat through the openai client."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused")
+    try:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=max_tokens, temperature=0, stream=True)
+        return [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    finally:
+        await client.close()
+
+
 def text_of(result: dict) -> str:
     choice = result["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]

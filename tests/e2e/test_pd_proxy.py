@@ -10,12 +10,12 @@ import re
 import time
 
 import aiohttp
-import openai
 import pytest
 
 from tests.e2e.conftest import (
     PREFILL_MAX_LEN,
     log_text,
+    openai_chat_stream,
     plain_request,
     text_of,
     token_prompt,
@@ -38,12 +38,7 @@ async def test_streaming_chat_through_proxy_with_openai_client(pd_node, plain_se
     messages = [{"role": "user", "content": "Tell me about a garden and the river."}]
     expected = await plain_request(plain_server, "/v1/chat/completions", {
         "model": "tiny", "messages": messages, "max_tokens": 20, "temperature": 0})
-    client = openai.AsyncOpenAI(base_url=pd_node.spec.proxy_url + "/v1", api_key="unused")
-    stream = await client.chat.completions.create(model="tiny", messages=messages,
-                                                  max_tokens=20, temperature=0, stream=True)
-    pieces = [chunk.choices[0].delta.content or "" async for chunk in stream
-              if chunk.choices]
-    await client.close()
+    pieces = await openai_chat_stream(pd_node.spec.proxy_url, messages, 20)
     assert len(pieces) > 1 and "".join(pieces) == text_of(expected)
 
 

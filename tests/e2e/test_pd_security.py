@@ -8,14 +8,19 @@ import json
 import uuid
 
 import aiohttp
-import openai
 import pytest
 from aiohttp import web
 
 from appliance.proxy.split import decode_body, prefill_body
 from tests import netlisten
 from tests.conftest import free_port
-from tests.e2e.conftest import plain_request, running_node, text_of, token_prompt
+from tests.e2e.conftest import (
+    openai_chat_stream,
+    plain_request,
+    running_node,
+    text_of,
+    token_prompt,
+)
 from tests.e2e.test_pd_parity import wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
@@ -112,11 +117,7 @@ async def test_proxy_gives_a_plain_servers_output(secure_node, plain_server):
     messages = [{"role": "user", "content": "Tell me about the river."}]
     expected = await plain_request(plain_server, "/v1/chat/completions", {
         "model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0})
-    client = openai.AsyncOpenAI(base_url=secure_node.spec.proxy_url + "/v1", api_key="unused")
-    stream = await client.chat.completions.create(model="tiny", messages=messages,
-                                                  max_tokens=16, temperature=0, stream=True)
-    pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
-    await client.close()
+    pieces = await openai_chat_stream(secure_node.spec.proxy_url, messages, 16)
     assert "".join(pieces) == text_of(expected)
     log = (secure_node.spec.log_dir / "decode.log").read_text(errors="replace")
     assert "received d_req=" in log  # D pulled P's KV through the CURVE side channel
