@@ -102,7 +102,9 @@ class Proxy:
         tick = min(0.25, settings.prefill_timeout_s / 10, settings.decode_read_timeout_s / 10)
         self.tls = settings.upstream_ssl()
         self.upstreams = Upstreams(keepalive_s=4.0, connect_timeout_s=settings.connect_timeout_s,
-                                   tick_s=tick, tls=self.tls)
+                                   tick_s=tick, tls=self.tls,
+                                   max_connections=settings.max_connections_per_node,
+                                   deadline_s=settings.upstream_deadline_s)
         self.releaser = KVReleaser(self.metrics,
                                    curve_key=curve.load(settings.side_channel_key_file))
 

@@ -93,6 +93,13 @@ class ProxySettings(BaseModel):
     # a non-streaming answer is one long silence).
     decode_read_timeout_s: float = Field(300.0, gt=0)
 
+    # The longest one call to P or D may take, a whole stream included (the timeouts above
+    # bound silences); past it the call is cut and the client gets an error.
+    upstream_deadline_s: float = Field(1800.0, gt=0)
+    # Connections open at once to one node; beyond, a call waits up to connect_timeout_s for
+    # one to free up.
+    max_connections_per_node: int = Field(1024, ge=1)
+
     # P unreachable or timed out: serve by D alone (local prefill) instead of answering 503.
     fallback_to_decode: bool = True
     # P finished its one token with "stop" (EOS or a stop string). This appliance's connector
@@ -209,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS")
     p.add_argument("--decode-read-timeout", dest="decode_read_timeout_s", type=float,
                    metavar="SECONDS")
+    p.add_argument("--upstream-deadline", dest="upstream_deadline_s", type=float,
+                   metavar="SECONDS", help="longest any one call to P or D may take")
+    p.add_argument("--max-connections-per-node", type=int, metavar="N")
     p.add_argument("--fallback", dest="fallback_to_decode", action=argparse.BooleanOptionalAction,
                    help="serve by D alone when P is unreachable or times out")
     p.add_argument("--fallback-on-prefill-stop", dest="fallback_on_prefill_stop",

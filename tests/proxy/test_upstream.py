@@ -179,29 +179,127 @@ async def test_idle_connection_closed_by_the_node_is_not_reused(upstreams: Upstr
     assert server.connections == 2
 
 
-async def test_reused_connection_closed_under_the_request_is_retried_once(
+async def test_a_request_that_reached_the_node_is_never_sent_twice(
         upstreams: Upstreams, serve) -> None:
-    """The race: the node closes an idle connection just as a request goes out on it. It
-    never read the request, so sending it again on a fresh connection is safe."""
-    answered = 0
+    """The node reads the whole request on a reused connection, then the connection dies
+    before any answer (a crash mid-request, or its idle close racing ours). It may have
+    acted on it (a second prefill, a second pull of one transfer): the call fails, and
+    nothing is sent again."""
+    bodies: list[bytes] = []
 
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        nonlocal answered
         first = server.connections == 1
-        await read_request(r)
-        answered += 1
-        w.write(ok(b"fine"))
-        await w.drain()
+        bodies.append(await read_request(r))
         if first:
-            await r.readuntil(b"\r\n\r\n")  # the second request arrives... and is dropped
+            w.write(ok(b"fine"))
+            await w.drain()
+            bodies.append(await read_request(r))  # the second request, read... and dropped
             return
+        w.write(ok(b"again?"))
         await r.read()
 
     server, url = await serve(handler)
     pool = upstreams.pool(url)
     assert await (await post(pool)).read() == b"fine"
-    assert await (await post(pool)).read() == b"fine"
-    assert answered == 2 and server.connections == 2
+    resp = await post(pool)
+    with pytest.raises(UpstreamError) as info:
+        await resp.read()
+    assert info.value.kind == "failed" and "before answering" in str(info.value)
+    await asyncio.sleep(0.1)
+    assert len(bodies) == 2 and server.connections == 1  # sent once, no new connection
+
+
+@pytest.mark.parametrize("framing", [
+    b"Transfer-Encoding: chunked\r\n\r\n-1\r\nxx\r\n0\r\n\r\n",    # negative size
+    b"Transfer-Encoding: chunked\r\n\r\n0x2\r\nxx\r\n0\r\n\r\n",   # a 0x prefix
+    b"Transfer-Encoding: chunked\r\n\r\n2\r\nxxYY0\r\n\r\n",         # no CRLF after data
+    b"Transfer-Encoding: chunked\r\n\r\nzz\r\nxx\r\n0\r\n\r\n",    # not hex
+    b"Content-Length: -5\r\n\r\nxx",                                    # negative length
+])
+async def test_malformed_framing_is_an_error(upstreams: Upstreams, serve,
+                                              framing: bytes) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\n" + framing)
+        await r.read()
+
+    server, url = await serve(handler)
+    pool = upstreams.pool(url)
+    with pytest.raises(UpstreamError) as info:
+        await (await post(pool)).read()
+    assert info.value.kind == "failed" and "malformed" in str(info.value)
+    await server.disconnected.wait()  # the connection is cut, never reused
+
+
+async def test_connections_per_node_are_capped(serve) -> None:
+    u = Upstreams(keepalive_s=4.0, connect_timeout_s=2.0, tick_s=0.05, max_connections=2)
+    u.start()
+    open_now = most = 0
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal open_now, most
+        open_now += 1
+        most = max(most, open_now)
+        try:
+            while True:
+                await read_request(r)
+                await asyncio.sleep(0.05)
+                w.write(ok(b"x"))
+                await w.drain()
+        finally:
+            open_now -= 1
+
+    server, url = await serve(handler)
+    pool = u.pool(url)
+
+    async def one() -> bytes:
+        return await (await post(pool)).read()
+
+    assert await asyncio.gather(*(one() for _ in range(6))) == [b"x"] * 6
+    assert most == 2 and server.connections == 2 and pool.open == 2
+    await u.close()
+
+
+async def test_a_full_pool_fails_within_the_connect_timeout(serve) -> None:
+    u = Upstreams(keepalive_s=4.0, connect_timeout_s=0.3, tick_s=0.05, max_connections=1)
+    u.start()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        await r.read()  # never answers
+
+    _, url = await serve(handler)
+    pool = u.pool(url)
+    hung = await post(pool)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(UpstreamError) as info:
+        await post(pool)
+    assert info.value.kind == "connect" and "stayed busy" in str(info.value)
+    assert asyncio.get_running_loop().time() - started < 1.0
+    hung.close()
+    await u.close()
+
+
+async def test_total_deadline_cuts_a_call_that_is_never_silent(serve) -> None:
+    u = Upstreams(keepalive_s=4.0, connect_timeout_s=1.0, tick_s=0.05, deadline_s=0.4)
+    u.start()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:  # a chunk every 50 ms: the read timeout never fires
+            w.write(b"1\r\nx\r\n")
+            await w.drain()
+            await asyncio.sleep(0.05)
+
+    server, url = await serve(handler)
+    resp = await u.pool(url).send("/v1/completions", b"{}", {}, read_timeout=5.0)
+    with pytest.raises(UpstreamError) as info:
+        async for _ in resp.chunks():
+            pass
+    assert info.value.kind == "timeout" and "deadline" in str(info.value)
+    await server.disconnected.wait()
+    await u.close()
 
 
 async def test_fresh_connection_closed_before_answer_fails(upstreams: Upstreams, serve) -> None:
