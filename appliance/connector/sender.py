@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
-from appliance.connector import curve, guard
+from appliance.connector import curve, faults, guard
 from appliance.connector import messages as m
 from appliance.connector.descriptors import build_group_descriptors
 from appliance.connector.ledger import Ledger
@@ -46,6 +46,8 @@ class Sender(Ledger):
         self._key = curve.load(settings.side_channel_key_file)  # a bad file fails start-up
         self._internal = guard.networks(settings.internal_networks)
         self._curve: curve.CurveServer | None = None
+        self.faults = faults.from_env()  # None unless a test asks (PD_FAULT_INJECTION)
+        self._write = self.faults.wrap_write(write) if self.faults else write
         self.settings = settings
         self.transport = transport
         self.regions = regions
@@ -216,6 +218,8 @@ class Sender(Ledger):
 
     async def _reply(self, identity: bytes, resp: m.TransferResponse) -> None:
         assert self._sock is not None
+        if self.faults is not None and self.faults.drop_reply():
+            return
         await self._sock.send_multipart([identity, m.encode_response(resp)])
 
     def _accept(self, identity: bytes, msg: m.TransferRequest) -> None:
@@ -305,7 +309,7 @@ class Sender(Ledger):
             descs = build_group_descriptors(leg.src, leg.dst, t.block_ids, entry.block_ids)
             fence = t.fence
             result = await asyncio.get_running_loop().run_in_executor(
-                self._pool, write, self.transport, fence, session, descs,
+                self._pool, self._write, self.transport, fence, session, descs,
                 self.settings.max_batch_descs, t.stop_reason)
         except (PlanError, TransferError) as exc:
             self.stats.record_failure()

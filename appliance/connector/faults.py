@@ -1,0 +1,102 @@
+"""Fault injection, for tests only: off unless a worker's environment sets
+`PD_FAULT_INJECTION`, e.g. `write_fail=16,reply_drop=16,write_delay_ms=5,seed=1`:
+
+- `write_fail=N`: 1 in N of P's Mooncake writes fails (as a lost peer would);
+- `reply_drop=N`: 1 in N of P's side-channel replies is never sent (D waits for its
+  deadline, then asks again or recomputes);
+- `write_delay_ms=M`: every write starts M ms late (a slow or congested link);
+- `seed=S`: the draws, so that a run can be repeated.
+
+Whatever is injected, a request must end with a plain server's exact output (D recomputes
+what it did not get) or an error, never another text: that is what the tests check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from appliance.connector.transfer import TransferError
+
+log = logging.getLogger("vllm.appliance.connector.faults")
+
+ENV = "PD_FAULT_INJECTION"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    write_fail: int = 0
+    reply_drop: int = 0
+    write_delay_ms: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        """`key=value,...`; ValueError naming the bad part."""
+        values: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = part.partition("=")
+            if not sep or key not in cls.__dataclass_fields__:
+                raise ValueError(f"{ENV}: {part!r} is not one of write_fail=N, reply_drop=N, "
+                                 "write_delay_ms=M, seed=S")
+            try:
+                values[key] = float(raw) if key == "write_delay_ms" else int(raw)
+            except ValueError:
+                raise ValueError(f"{ENV}: {part!r} needs a number") from None
+            if values[key] < 0:
+                raise ValueError(f"{ENV}: {part!r} must not be negative")
+        return cls(**values)
+
+
+class Faults:
+    """The draws of one worker; thread-safe (writes run on the push threads)."""
+
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan = plan
+        self._rng = random.Random(plan.seed)
+        self._lock = threading.Lock()
+        self.injected = {"write_fail": 0, "reply_drop": 0}
+
+    def _one_in(self, n: int, what: str) -> bool:
+        if n <= 0:
+            return False
+        with self._lock:
+            hit = self._rng.randrange(n) == 0
+            if hit:
+                self.injected[what] += 1
+        return hit
+
+    def drop_reply(self) -> bool:
+        dropped = self._one_in(self.plan.reply_drop, "reply_drop")
+        if dropped:
+            log.warning("fault injection: a side-channel reply dropped")
+        return dropped
+
+    def wrap_write(self, write: Callable[..., T]) -> Callable[..., T]:
+        """`write` (run on a push thread) with the plan's delay and failures before it."""
+
+        def faulty(*args: Any) -> T:
+            if self.plan.write_delay_ms:
+                time.sleep(self.plan.write_delay_ms / 1000)
+            if self._one_in(self.plan.write_fail, "write_fail"):
+                log.warning("fault injection: a Mooncake write failed")
+                raise TransferError("injected fault: the write failed")
+            return write(*args)
+
+        return faulty
+
+
+def from_env(environ: dict[str, str] | None = None) -> Faults | None:
+    text = (os.environ if environ is None else environ).get(ENV, "")
+    if not text:
+        return None
+    plan = FaultPlan.parse(text)
+    log.warning("fault injection ON (%s=%s): for tests only", ENV, text)
+    return Faults(plan)

@@ -1,0 +1,82 @@
+"""Injected faults (the connector's seam, appliance.connector.faults) at 1 in 16 on P's
+Mooncake writes and side-channel replies, for a few hundred requests through the proxy:
+every answer is a plain server's exact output or an error, never another text; nothing is
+held afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from tests.conftest import free_port
+from tests.e2e.conftest import TEST_CONNECTOR, log_text, plain_request, running_node, token_prompt
+from tests.e2e.test_pd_parity import wait_no_blocks_held
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = 24
+REPEATS = 8  # 192 requests, half of them streamed
+FAULTS = "write_fail=16,reply_drop=16,seed=3"
+
+
+def _body(i: int, stream: bool) -> dict:
+    return {"model": "tiny", "prompt": token_prompt(16 + 23 * i, seed=400 + i), "max_tokens": 8,
+            "temperature": 0, "stream": stream}
+
+
+async def _ask(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str]:
+    """(status, text): 200 with the answer's text, or the error's status (an SSE error
+    event counts as 502)."""
+    async with http.post(url + "/v1/completions", json=body) as r:
+        raw = await r.text()
+        if r.status != 200:
+            return r.status, raw
+    if not body["stream"]:
+        return 200, json.loads(raw)["choices"][0]["text"]
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    if any("error" in e for e in events) or not raw.endswith("data: [DONE]\n\n"):
+        return 502, raw
+    return 200, "".join(c.get("text", "") for e in events for c in e.get("choices", ()))
+
+
+async def test_faults_one_in_16_give_exact_output_or_an_error(tiny_model, plain_server,
+                                                             tmp_path):
+    expected = {}
+    for i in range(PROMPTS):
+        result = await plain_request(plain_server, "/v1/completions", _body(i, False))
+        expected[i] = result["choices"][0]["text"]
+    connector = {**TEST_CONNECTOR, "recv_timeout_s": 4}
+    with running_node(tiny_model, tmp_path, proxy_port=free_port(), connector_extra=connector,
+                      prefill_env={"PD_FAULT_INJECTION": FAULTS}) as node:
+        gate = asyncio.Semaphore(8)
+        answers: list[tuple[int, int, str, float]] = []
+
+        async def one(http: aiohttp.ClientSession, n: int) -> None:
+            i = n % PROMPTS
+            async with gate:
+                started = time.monotonic()
+                status, text = await _ask(http, node.spec.proxy_url, _body(i, n % 2 == 1))
+                answers.append((i, status, text, time.monotonic() - started))
+
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            await asyncio.wait_for(asyncio.gather(
+                *(one(http, n) for n in range(PROMPTS * REPEATS))), 900)
+        assert len(answers) == PROMPTS * REPEATS
+        wrong = [(i, text) for i, status, text, _ in answers
+                 if status == 200 and text != expected[i]]
+        assert wrong == []  # never another prompt's text, never a corrupted one
+        errors = [a for a in answers if a[1] != 200]
+        assert all(a[1] >= 400 for a in errors)
+        assert max(a[3] for a in answers) < 60  # every one answered within the bound
+        log = log_text(node.prefill.log_path)
+        assert "fault injection ON" in log
+        assert log.count("fault injection: a Mooncake write failed") >= 3
+        assert log.count("fault injection: a side-channel reply dropped") >= 3
+        # and the faults cost answers nothing: D recomputed what it did not get
+        assert len(errors) <= len(answers) // 20, errors[:3]
+        await wait_no_blocks_held(node, within=60)
