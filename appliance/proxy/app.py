@@ -25,6 +25,7 @@ from aiohttp import web
 from appliance.connector import curve
 from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
 from appliance.proxy import first_token
+from appliance.proxy.admission import Admission
 from appliance.proxy.backends import Backend, Backends, HealthPoller, PrefillBackend
 from appliance.proxy.errors import (
     ProxyError,
@@ -105,6 +106,9 @@ class Proxy:
                                    tick_s=tick, tls=self.tls,
                                    max_connections=settings.max_connections_per_node,
                                    deadline_s=settings.upstream_deadline_s)
+        self.admission = Admission(settings.max_in_flight_per_decode, settings.max_queued,
+                                   settings.queue_timeout_s,
+                                   lambda why: self.metrics.overloaded.labels(why).inc())
         self.releaser = KVReleaser(self.metrics,
                                    curve_key=curve.load(settings.side_channel_key_file))
 
@@ -164,7 +168,7 @@ class Proxy:
         except ProxyError as exc:
             rec.status, rec.error = exc.status, exc.message
             return json_error(exc.status, exc.message, exc.err_type,
-                              headers={"X-Request-Id": rec.request_id})
+                              headers={"X-Request-Id": rec.request_id, **exc.headers})
         except asyncio.CancelledError:
             rec.status, rec.error = 499, "client disconnected"  # nginx's code for it
             raise
@@ -204,8 +208,7 @@ class Proxy:
         prefills = self.backends.ready_prefill()
         if not prefills and not self.settings.fallback_to_decode:
             raise ProxyError(503, "no prefill node is healthy with a known engine id")
-        d = self.router.pick_decode(decodes)
-        d.in_flight += 1
+        d = await self.admission.admit(self.backends.ready_decode, self.router.pick_decode)
         try:
             if not prefills:
                 return await self._serve_plain(request, rec, body, d, "no_prefill")
@@ -216,7 +219,7 @@ class Proxy:
                 self.metrics.first_token.labels("decode").inc()
             return await self._serve_split(request, rec, body, p, d)
         finally:
-            d.in_flight -= 1
+            self.admission.release(d)
 
     def _headers(self, rec: Record) -> dict[str, str]:
         h = {"Content-Type": "application/json", "X-Request-Id": rec.request_id}

@@ -13,11 +13,13 @@ from appliance.httperrors import error_body, json_error
 class ProxyError(Exception):
     """Ends a request with an OpenAI-style error; raised anywhere below the handler."""
 
-    def __init__(self, status: int, message: str, err_type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, err_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type
+        self.headers = headers or {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.err_type)
@@ -53,4 +55,4 @@ async def proxy_errors_middleware(request: web.Request, handler: Any) -> web.Str
     try:
         return await handler(request)
     except ProxyError as exc:
-        return json_error(exc.status, exc.message, exc.err_type)
+        return json_error(exc.status, exc.message, exc.err_type, headers=exc.headers or None)

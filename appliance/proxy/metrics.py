@@ -96,6 +96,11 @@ class ProxyMetrics:
             "request, or the client left first), by outcome: sent, failed, no_address (P's "
             "side channel unknown; P frees after its send_timeout_s), refused (P's side "
             "channel refused the proxy's CURVE handshake)", ["outcome"], registry=r)
+        self.overloaded = Counter(
+            "pd_proxy_overloaded",
+            "Requests answered 429 because every decode node was full "
+            "(max_in_flight_per_decode), by reason: queue_full, queue_timeout", ["reason"],
+            registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors",
                                        "Failed upstream requests by backend and kind",
                                        ["role", "backend", "kind"], registry=r)

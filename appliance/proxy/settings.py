@@ -100,6 +100,13 @@ class ProxySettings(BaseModel):
     # one to free up.
     max_connections_per_node: int = Field(1024, ge=1)
 
+    # Overload control (appliance.proxy.admission): requests in flight per decode node (0:
+    # no limit); beyond, up to max_queued wait at most queue_timeout_s for a slot, and the
+    # rest get 429 with Retry-After at once.
+    max_in_flight_per_decode: int = Field(0, ge=0)
+    max_queued: int = Field(0, ge=0)
+    queue_timeout_s: float = Field(5.0, gt=0)
+
     # P unreachable or timed out: serve by D alone (local prefill) instead of answering 503.
     fallback_to_decode: bool = True
     # P finished its one token with "stop" (EOS or a stop string). This appliance's connector
@@ -219,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream-deadline", dest="upstream_deadline_s", type=float,
                    metavar="SECONDS", help="longest any one call to P or D may take")
     p.add_argument("--max-connections-per-node", type=int, metavar="N")
+    p.add_argument("--max-in-flight-per-decode", type=int, metavar="N",
+                   help="requests in flight per decode node (0: no limit); beyond: 429")
+    p.add_argument("--max-queued", type=int, metavar="N",
+                   help="requests waiting for a decode slot before 429s start")
+    p.add_argument("--queue-timeout", dest="queue_timeout_s", type=float, metavar="SECONDS")
     p.add_argument("--fallback", dest="fallback_to_decode", action=argparse.BooleanOptionalAction,
                    help="serve by D alone when P is unreachable or times out")
     p.add_argument("--fallback-on-prefill-stop", dest="fallback_on_prefill_stop",

@@ -1,0 +1,100 @@
+"""Overload control: at most `max_in_flight_per_decode` requests in flight per decode node,
+up to `max_queued` more waiting (first come, first served) at most `queue_timeout_s` for a
+slot; beyond that the client gets 429 with `Retry-After` at once, never a hang. A node
+that is full takes nothing more; the others still do. Off (no limit) by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from appliance.proxy.backends import Backend
+from appliance.proxy.errors import ProxyError
+
+RATE_LIMIT = "rate_limit_error"  # OpenAI's error type for a 429
+
+
+class Overloaded(ProxyError):
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(429, message, RATE_LIMIT,
+                         {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
+class Admission:
+    def __init__(self, limit: int, max_queued: int, queue_timeout_s: float,
+                 on_reject: Callable[[str], None]) -> None:
+        self.limit = limit  # 0: no limit
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self.on_reject = on_reject  # counted by reason: "queue_full" or "queue_timeout"
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return sum(not f.done() for f in self._waiters)
+
+    def _free(self, decodes: Sequence[Backend]) -> list[Backend]:
+        return [d for d in decodes if d.in_flight < self.limit]
+
+    async def admit(self, decodes: Callable[[], Sequence[Backend]],
+                    pick: Callable[[Sequence[Backend]], Backend]) -> Backend:
+        """A decode node for this request, its slot taken (`in_flight` counted); raises
+        Overloaded. `decodes` is asked again after each wait (health may have changed)."""
+        if not self.limit:
+            d = pick(_healthy(decodes))
+            d.in_flight += 1
+            return d
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.queue_timeout_s
+        queued = False
+        while True:
+            free = self._free(_healthy(decodes))
+            if free and (queued or not self.queued):  # nobody ahead of a newcomer
+                d = pick(free)
+                d.in_flight += 1
+                return d
+            if not queued and self.queued >= self.max_queued:
+                self.on_reject("queue_full")
+                raise Overloaded(f"overloaded: every decode node has {self.limit} requests "
+                                 f"in flight and {self.max_queued} are waiting",
+                                 self.queue_timeout_s)
+            left = deadline - loop.time()
+            if left <= 0:
+                self.on_reject("queue_timeout")
+                raise Overloaded(f"overloaded: no decode node had a free slot within "
+                                 f"{self.queue_timeout_s:g} s", self.queue_timeout_s)
+            fut = loop.create_future()
+            # A waiter woken earlier keeps its place: it goes back to the front.
+            (self._waiters.appendleft if queued else self._waiters.append)(fut)
+            queued = True
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if not fut.done():
+                    fut.cancel()
+                self._prune()
+
+    def release(self, d: Backend) -> None:
+        """The request on `d` is over: its slot goes to the first waiter."""
+        d.in_flight -= 1
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    def _prune(self) -> None:
+        while self._waiters and self._waiters[0].done():
+            self._waiters.popleft()
+
+
+def _healthy(decodes: Callable[[], Sequence[Backend]]) -> Sequence[Backend]:
+    found = decodes()
+    if not found:
+        raise ProxyError(503, "no decode node is healthy")
+    return found
