@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import resource
 import sys
 from collections.abc import Sequence
 
@@ -11,6 +12,18 @@ from pydantic import ValidationError
 
 from appliance.proxy.app import build_app
 from appliance.proxy.settings import load_settings
+
+
+def _raise_open_files_limit() -> None:
+    """Each client holds a socket and so does each of its two upstream calls: a thousand
+    streams need three thousand descriptors, above many hosts' soft limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass  # keep the soft limit; the proxy still runs, with fewer clients at once
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -27,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not settings.prefill or not settings.decode:
         print("proxy: error: at least one --prefill and one --decode are needed", file=sys.stderr)
         sys.exit(2)
+    _raise_open_files_limit()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("appliance.proxy").info(
