@@ -106,6 +106,7 @@ class Proxy:
                                    tick_s=tick, tls=self.tls,
                                    max_connections=settings.max_connections_per_node,
                                    deadline_s=settings.upstream_deadline_s)
+        self.backends.on_down = self._node_down
         self.admission = Admission(settings.max_in_flight_per_decode, settings.max_queued,
                                    settings.queue_timeout_s,
                                    lambda why: self.metrics.overloaded.labels(why).inc())
@@ -131,6 +132,15 @@ class Proxy:
             await self.session.close()
         await self.upstreams.close()
         await self.releaser.close()
+
+    def _node_down(self, b: Backend, why: str) -> None:
+        failed = self.upstreams.fail_node(b.url, f"{b.role} node {b.url} is down "
+                                                 f"({self.backends.down_after} failed health "
+                                                 f"checks: {why})")
+        if failed:
+            log.warning("%s %s is down (%s): failed its %d calls in flight", b.role, b.url,
+                        why, failed)
+            self.metrics.upstream_errors.labels(b.role, b.url, "down").inc(failed)
 
     # ---- auth -------------------------------------------------------------------------
 

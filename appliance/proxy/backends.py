@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class Backend:
     # A decode node's context length (from /v1/models; None until known): a continuation
     # that would not fit is sent the classic way, so the client gets D's 400 as JSON.
     max_model_len: int | None = None
+    # Health checks failed in a row (0 while healthy).
+    failures: int = 0
 
     @property
     def in_rotation(self) -> bool:
@@ -86,6 +89,10 @@ class Backends:
                         for n in settings.prefill]
         self.decode = [Backend("decode", n.url) for n in settings.decode]
         self.metrics = metrics
+        # After this many failed health checks in a row, on_down(node, why) fails the calls
+        # the node holds (the proxy's Upstreams.fail_node).
+        self.down_after = settings.down_after_failures
+        self.on_down: Callable[[Backend, str], None] | None = None
         # Latched once any P has had an engine id: before that, requests get 503 (the
         # deployment is still starting); after, a P outage means fallback, not an outage.
         self.ever_ready = False
@@ -114,6 +121,11 @@ class Backends:
         b.healthy = healthy
         b.last_error = error
         b.last_check = time.monotonic()
+        b.failures = 0 if healthy else b.failures + 1
+        if b.failures == self.down_after and self.on_down is not None:
+            # Hung or gone for that many checks in a row (a SIGSTOPped process accepts
+            # connections and answers nothing): what it holds fails now, not at its timeout.
+            self.on_down(b, error or "failed its health checks")
         if isinstance(b, PrefillBackend) and b.in_rotation:
             self.ever_ready = True
         now = b.in_rotation

@@ -204,7 +204,11 @@ class Response:
             why = f"timed out: no data for {self._read_timeout:g} s"
         else:
             return
-        self._fail(UpstreamError("timeout", why))
+        self.abort(UpstreamError("timeout", why))
+
+    def abort(self, error: UpstreamError) -> None:
+        """End the call with `error` now (a timeout, or its node found down)."""
+        self._fail(error)
         self._pool.active.discard(self)
         self._conn.abort()  # a late answer must not land on a reused connection
         self._wake()

@@ -85,6 +85,10 @@ class ProxySettings(BaseModel):
 
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
+    # Health checks failed in a row after which a node counts as down and the calls it
+    # holds fail at once (P's then go to D alone, as when P is unreachable; D's end with an
+    # error) instead of at their timeouts: a frozen node answers nothing, ever.
+    down_after_failures: int = Field(2, ge=1)
     connect_timeout_s: float = Field(5.0, gt=0)
     # Longest wait for P's answer (P says nothing until its one token is out); past it, P
     # counts as timed out and the fallback applies.

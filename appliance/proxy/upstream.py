@@ -210,6 +210,16 @@ class Upstreams:
                                                 self.deadline_s)
         return pool
 
+    def fail_node(self, base_url: str, why: str) -> int:
+        """Fail every call in flight to this node (it is down); returns how many."""
+        pool = self._pools.get(base_url)
+        if pool is None:
+            return 0
+        calls = [r for r in self.active if r._pool is pool and not r.done]
+        for resp in calls:
+            resp.abort(UpstreamError("timeout", why))
+        return len(calls)
+
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()

@@ -1,0 +1,60 @@
+"""A node that stops answering (a frozen process accepts connections and says nothing) is
+found by the health checks within seconds, and the calls it holds fail then, not at their
+timeouts: P's go to D alone, D's end with an error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tests.proxy.conftest import MakeCluster
+
+SLOW = {"prefill_timeout_s": 60.0, "decode_read_timeout_s": 60.0}
+
+
+async def test_a_hung_prefill_node_fails_over_to_decode_within_seconds(
+        make_cluster: MakeCluster) -> None:
+    c = await make_cluster(**SLOW)
+    p = c.prefill[0]
+    p.hang = True
+    task = asyncio.create_task(c.post())
+    await p.wait_requests(1)
+    started = time.monotonic()
+    p.healthy = False  # its health checks fail from now on, as a frozen node's time out
+    status, _body, _ = await asyncio.wait_for(task, 10)
+    assert status == 200  # served by D alone
+    assert time.monotonic() - started < 3  # not the 60 s prefill timeout
+    metrics = await (await c.http.get(f"{c.url}/metrics")).text()
+    assert 'kind="down"' in metrics
+
+
+async def test_a_hung_decode_node_ends_its_requests_with_an_error_within_seconds(
+        make_cluster: MakeCluster) -> None:
+    c = await make_cluster(**SLOW)
+    d = c.decode[0]
+    d.hang_after_headers = True
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+    task = asyncio.create_task(c.post(body=body))
+    await d.wait_requests(1)
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    d.healthy = False
+    status, answer, _ = await asyncio.wait_for(task, 10)
+    assert time.monotonic() - started < 3
+    assert status >= 500 or "error" in str(answer)  # an error status or an SSE error event
+
+
+async def test_one_failed_check_does_not_fail_what_the_node_holds(
+        make_cluster: MakeCluster) -> None:
+    """A single slow or failed health check (a busy node) takes the node out of rotation
+    but leaves its calls alone: only down_after_failures in a row count as down."""
+    c = await make_cluster(down_after_failures=1000, **SLOW)
+    d = c.decode[0]
+    d.delay = 1.0
+    task = asyncio.create_task(c.post())
+    await d.wait_requests(1)
+    d.healthy = False
+    await asyncio.sleep(0.3)
+    d.healthy = True
+    status, _, _ = await asyncio.wait_for(task, 10)
+    assert status == 200
