@@ -136,7 +136,9 @@ class LocalNode:
                 "proxy",
                 [sys.executable, "-m", "appliance.proxy", "--host", s.proxy_host or s.host,
                  "--port", str(s.proxy_port), "--prefill", f"{s.prefill_url},{s.bootstrap_url}",
-                 "--decode", s.decode_url, *self._proxy_keys(), *s.proxy_args],
+                 "--decode", s.decode_url, *self._proxy_keys(),
+                 # within ServiceProcess.stop's 20 s before SIGKILL
+                 "--drain-grace", "10", *s.proxy_args],
                 s.log_dir / "proxy.log", health_url=f"{s.proxy_url}/health")
         self.timings: dict[str, float] = {}
 

@@ -24,6 +24,7 @@ from appliance.pdctl.clibase import (
     load_host_config,
 )
 from appliance.pdctl.config import HostConfig, load_config
+from appliance.pdctl.draincmd import drain
 from appliance.pdctl.errors import RUNTIME, PdctlError
 from appliance.pdctl.initcmd import init
 
@@ -44,6 +45,7 @@ def cli(ctx: click.Context) -> None:
 
 
 cli.add_command(init)
+cli.add_command(drain)
 
 
 # ---- validate / render ------------------------------------------------------------------

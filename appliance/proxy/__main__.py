@@ -51,7 +51,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     # handler_cancellation: a client that hangs up cancels its handler, which closes both
     # upstream connections, so vLLM aborts the requests.
     web.run_app(build_app(settings), host=settings.host, port=settings.port, print=None,
-                access_log=None, handler_cancellation=True, ssl_context=tls)
+                access_log=None, handler_cancellation=True, ssl_context=tls,
+                # on_shutdown waits drain_grace_s itself (appliance.proxy.admin); past it
+                # every request left has been ended with an error.
+                shutdown_timeout=5.0)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from appliance.connector import curve
 from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
-from appliance.proxy import first_token
+from appliance.proxy import admin, first_token
 from appliance.proxy.admission import Admission
 from appliance.proxy.backends import Backend, Backends, HealthPoller, PrefillBackend
 from appliance.proxy.errors import (
@@ -86,6 +86,7 @@ class Proxy:
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
         self.in_flight = 0
+        self.shutting_down = False  # SIGTERM: no new requests (appliance.proxy.admin)
         self.metrics = ProxyMetrics(in_flight=lambda: self.in_flight)
         self.backends = Backends(settings, self.metrics)
         self.router = Router(settings.policy)
@@ -201,6 +202,8 @@ class Proxy:
                 self._log(rec)
 
     async def _generate(self, request: web.Request, rec: Record) -> web.StreamResponse:
+        if self.shutting_down:
+            raise ProxyError(503, "the proxy is shutting down")
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ProxyError(413, f"request body too large (limit {limit} bytes)")
@@ -690,7 +693,9 @@ def build_app(settings: ProxySettings) -> web.Application:
     app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[PROXY] = proxy
     app.on_startup.append(proxy.start)
+    app.on_shutdown.append(lambda _app: admin.drain_on_shutdown(proxy))
     app.on_cleanup.append(proxy.stop)
+    app.router.add_routes(admin.routes(proxy))
     app.router.add_post(COMPLETIONS, proxy.completions)
     app.router.add_post(CHAT, proxy.chat)
     app.router.add_get("/v1/models", proxy.models)

@@ -34,10 +34,12 @@ class Backend:
     max_model_len: int | None = None
     # Health checks failed in a row (0 while healthy).
     failures: int = 0
+    # Drained (the admin API, `pdctl drain`): nothing new, what it has finishes.
+    draining: bool = False
 
     @property
     def in_rotation(self) -> bool:
-        return self.healthy
+        return self.healthy and not self.draining
 
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -45,6 +47,7 @@ class Backend:
             "url": self.url,
             "healthy": self.healthy,
             "in_rotation": self.in_rotation,
+            "draining": self.draining,
             "in_flight": self.in_flight,
             "last_error": self.last_error,
             "last_check_age_s": None if self.last_check is None
@@ -65,7 +68,7 @@ class PrefillBackend(Backend):
     @property
     def in_rotation(self) -> bool:
         # Without an engine id D could not find P's workers: not ready (seeds step 6).
-        return self.healthy and bool(self.engine_ids)
+        return self.healthy and not self.draining and bool(self.engine_ids)
 
     def next_rank(self) -> tuple[int, str]:
         """Several dp ranks behind one P are used in turn."""
@@ -128,15 +131,33 @@ class Backends:
             self.on_down(b, error or "failed its health checks")
         if isinstance(b, PrefillBackend) and b.in_rotation:
             self.ever_ready = True
-        now = b.in_rotation
-        self.metrics.backend_up.labels(b.role, b.url).set(1 if now else 0)
-        self._ready_prefill = [n for n in self.prefill if n.in_rotation]
-        self._ready_decode = [n for n in self.decode if n.in_rotation]
+        now = self._rotation_changed(b)
         if was != now:
             if now:
                 log.info("%s %s in rotation", b.role, b.url)
             else:
                 log.warning("%s %s out of rotation: %s", b.role, b.url, error)
+
+    def _rotation_changed(self, b: Backend) -> bool:
+        now = b.in_rotation
+        self.metrics.backend_up.labels(b.role, b.url).set(1 if now else 0)
+        self._ready_prefill = [n for n in self.prefill if n.in_rotation]
+        self._ready_decode = [n for n in self.decode if n.in_rotation]
+        return now
+
+    def find(self, node: str) -> list[Backend]:
+        """The nodes `node` names: a URL, or "prefill" / "decode" for all of that role."""
+        if node in ("prefill", "decode"):
+            return list(self.prefill if node == "prefill" else self.decode)
+        return [b for b in self.all() if b.url == node.rstrip("/")]
+
+    def set_draining(self, b: Backend, draining: bool) -> None:
+        if b.draining != draining:
+            b.draining = draining
+            self._rotation_changed(b)
+            log.warning("%s %s %s", b.role, b.url,
+                        "draining: out of rotation, its requests in flight finish"
+                        if draining else "undrained: back in rotation when healthy")
 
     def mark_failed(self, b: Backend, error: str) -> None:
         """A request could not connect: out of rotation now, the poller brings it back."""

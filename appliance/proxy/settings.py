@@ -111,6 +111,9 @@ class ProxySettings(BaseModel):
     max_queued: int = Field(0, ge=0)
     queue_timeout_s: float = Field(5.0, gt=0)
 
+    # SIGTERM: requests in flight get this long to finish, then end with an error.
+    drain_grace_s: float = Field(30.0, ge=0)
+
     # P unreachable or timed out: serve by D alone (local prefill) instead of answering 503.
     fallback_to_decode: bool = True
     # P finished its one token with "stop" (EOS or a stop string). This appliance's connector
@@ -235,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, metavar="N",
                    help="requests waiting for a decode slot before 429s start")
     p.add_argument("--queue-timeout", dest="queue_timeout_s", type=float, metavar="SECONDS")
+    p.add_argument("--drain-grace", dest="drain_grace_s", type=float, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight get to finish")
     p.add_argument("--fallback", dest="fallback_to_decode", action=argparse.BooleanOptionalAction,
                    help="serve by D alone when P is unreachable or times out")
     p.add_argument("--fallback-on-prefill-stop", dest="fallback_on_prefill_stop",

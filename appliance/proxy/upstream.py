@@ -215,9 +215,17 @@ class Upstreams:
         pool = self._pools.get(base_url)
         if pool is None:
             return 0
-        calls = [r for r in self.active if r._pool is pool and not r.done]
+        return self._fail([r for r in self.active if r._pool is pool], "timeout", why)
+
+    def fail_all(self, why: str) -> int:
+        """Fail every call in flight (the proxy is shutting down); returns how many."""
+        return self._fail(list(self.active), "failed", why)
+
+    @staticmethod
+    def _fail(calls: list[Response], kind: str, why: str) -> int:
+        calls = [r for r in calls if not r.done]
         for resp in calls:
-            resp.abort(UpstreamError("timeout", why))
+            resp.abort(UpstreamError(kind, why))
         return len(calls)
 
     async def close(self) -> None:

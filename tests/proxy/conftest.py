@@ -23,6 +23,7 @@ FAST = {
     "connect_timeout_s": 1.0,
     "prefill_timeout_s": 3.0,
     "decode_read_timeout_s": 3.0,
+    "drain_grace_s": 0.5,  # a cluster closed with a request in flight
     # These tests cover the classic split (both at once, D's first token); the first-token
     # mode has its own (test_first_token.py).
     "first_token_from_prefill": False,

@@ -1,0 +1,104 @@
+"""Draining: a node taken out of rotation on purpose, and the proxy's own shutdown.
+
+`POST /admin/drain {"node": URL | "prefill" | "decode"}` takes nodes out of rotation (they
+get nothing new; what they have finishes), `POST /admin/undrain` puts them back, `GET
+/admin/drain` says what is draining and what it still holds (`pdctl drain` drives these).
+The admin API needs the node's key (the proxy's backend_api_key, keys/api-key); without
+one configured, only callers on this host.
+
+SIGTERM (`pdctl down`, `docker compose down`, systemd) drains the proxy itself: the listener
+closes, requests in flight get up to `drain_grace_s` to finish, and what is left then ends
+with a terminal error (an SSE error event or a 502 JSON body), never a silent cut; P's KV
+for them is released as on any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from appliance.httperrors import json_error
+
+if TYPE_CHECKING:
+    from appliance.proxy.app import Proxy
+
+log = logging.getLogger("appliance.proxy.admin")
+
+
+def _allowed(proxy: Proxy, request: web.Request) -> bool:
+    key = proxy.settings.backend_api_key
+    if key:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                  key.encode())
+    try:
+        return ipaddress.ip_address(request.remote or "").is_loopback
+    except ValueError:
+        return False
+
+
+def _nodes(proxy: Proxy) -> list[dict[str, Any]]:
+    return [{"role": b.role, "url": b.url, "draining": b.draining, "in_flight": b.in_flight}
+            for b in proxy.backends.all()]
+
+
+def routes(proxy: Proxy) -> list[web.RouteDef]:
+    async def change(request: web.Request, draining: bool) -> web.Response:
+        if not _allowed(proxy, request):
+            return json_error(401, "the admin API needs the node's key (keys/api-key)",
+                              headers={"WWW-Authenticate": "Bearer"})
+        try:
+            body = msgspec.json.decode(await request.read())
+            node = body["node"]
+            if not isinstance(node, str):
+                raise TypeError
+        except (msgspec.DecodeError, KeyError, TypeError):
+            return json_error(400, 'expected {"node": URL | "prefill" | "decode"}')
+        found = proxy.backends.find(node)
+        if not found:
+            return json_error(404, f"no node {node!r} (known: "
+                                   f"{', '.join(b.url for b in proxy.backends.all())})")
+        for b in found:
+            proxy.backends.set_draining(b, draining)
+        return web.json_response({"nodes": _nodes(proxy)})
+
+    async def drain(request: web.Request) -> web.Response:
+        return await change(request, True)
+
+    async def undrain(request: web.Request) -> web.Response:
+        return await change(request, False)
+
+    async def show(request: web.Request) -> web.Response:
+        if not _allowed(proxy, request):
+            return json_error(401, "the admin API needs the node's key (keys/api-key)")
+        return web.json_response({"nodes": _nodes(proxy), "in_flight": proxy.in_flight})
+
+    return [web.post("/admin/drain", drain), web.post("/admin/undrain", undrain),
+            web.get("/admin/drain", show)]
+
+
+async def drain_on_shutdown(proxy: Proxy) -> None:
+    """aiohttp's on_shutdown (the listener is closed already): wait for what is in flight,
+    up to drain_grace_s, then end the rest with an error."""
+    proxy.shutting_down = True
+    loop = asyncio.get_running_loop()
+    grace = proxy.settings.drain_grace_s
+    deadline = loop.time() + grace
+    if proxy.in_flight:
+        log.warning("shutting down: %d requests in flight get up to %g s to finish",
+                    proxy.in_flight, grace)
+    while proxy.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if proxy.in_flight:
+        failed = proxy.upstreams.fail_all("the proxy is shutting down")
+        log.warning("shutting down: %d requests still in flight after %g s end with an "
+                    "error (%d upstream calls cut)", proxy.in_flight, grace, failed)
+        end = loop.time() + 2.0
+        while proxy.in_flight and loop.time() < end:
+            await asyncio.sleep(0.05)
