@@ -17,10 +17,12 @@ A config file holds ProxySettings keys, at top level or under `[proxy]`:
 
 Modules: settings (file + flags), split (the P and D bodies), upstream (the lean HTTP/1.1
 client for P and D), backends (nodes and the health poller), routing (policies), metrics,
-errors, app (the aiohttp application and the exchange).
+errors, response (one upstream answer, parsed by llhttp), admission (overload control),
+admin (drain), app (the exchange: P and D for each request), server (the aiohttp
+application, its ops endpoints, serve()).
 """
 
-from appliance.proxy.app import RunningProxy, build_app, serve
+from appliance.proxy.server import RunningProxy, build_app, serve
 from appliance.proxy.settings import DecodeNode, PrefillNode, ProxySettings, load_settings
 
 __all__ = [

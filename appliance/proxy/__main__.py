@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from aiohttp import web
 from pydantic import ValidationError
 
-from appliance.proxy.app import build_app
+from appliance.proxy.server import build_app
 from appliance.proxy.settings import load_settings
 
 

@@ -23,13 +23,12 @@ import msgspec
 from aiohttp import web
 
 from appliance.connector import curve
-from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
-from appliance.proxy import admin, first_token
+from appliance.httperrors import json_error
+from appliance.proxy import first_token
 from appliance.proxy.admission import Admission
 from appliance.proxy.backends import Backend, Backends, HealthPoller, PrefillBackend
 from appliance.proxy.errors import (
     ProxyError,
-    proxy_errors_middleware,
     sse_error_event,
     upstream_error_body,
 )
@@ -59,6 +58,9 @@ _OPS_PATHS = frozenset({"/metrics", "/status"})
 # One upstream call of the cold path: pool, response sent already (or None), body, read
 # timeout, headers.
 _Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
+
+
+COMPLETIONS_ROUTES = (COMPLETIONS, CHAT)  # what the proxy splits into P and D
 
 
 @dataclass(slots=True)
@@ -624,114 +626,10 @@ class Proxy:
             f" fallback={rec.fallback}" if rec.fallback else "",
             f" error={rec.error!r}" if rec.error else "")
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.generate(request, COMPLETIONS)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self.generate(request, CHAT)
-
-    # ---- the other endpoints --------------------------------------------------------------
-
-    async def models(self, request: web.Request) -> web.Response:
-        decodes = self.backends.ready_decode()
-        if not decodes:
-            raise ProxyError(503, "no decode node is healthy")
-        d = self.router.pick_decode(decodes)
-        assert self.session is not None
-        try:
-            async with self.session.get(f"{d.url}/v1/models", headers=self.base_headers,
-                                        timeout=self.models_timeout) as resp:
-                raw = await resp.read()
-                return web.Response(status=resp.status, body=raw, headers={
-                    "Content-Type": resp.headers.get("Content-Type", "application/json")})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise ProxyError(502, f"decode node {d.url}: {_describe(exc)}") from None
-
-    async def health(self, request: web.Request) -> web.Response:
-        reason = self.backends.not_ready_reason()
-        body = {
-            "status": "ok" if reason is None else "unavailable",
-            "reason": reason,
-            "prefill_ready": len(self.backends.ready_prefill()),
-            "decode_ready": len(self.backends.ready_decode()),
-        }
-        return web.Response(status=200 if reason is None else 503, body=_encode(body),
-                            content_type="application/json")
-
-    async def status(self, request: web.Request) -> web.Response:
-        body = self.backends.status()
-        body.update(policy=self.settings.policy,
-                    fallback_to_decode=self.settings.fallback_to_decode,
-                    in_flight=self.in_flight)
-        return web.Response(body=_encode(body), content_type="application/json")
-
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(),
-                            headers={"Content-Type": self.metrics.content_type})
-
-
-PROXY = web.AppKey("proxy", Proxy)
-
-
-def _auth_middleware(proxy: Proxy) -> Any:
-    @web.middleware
-    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        if proxy.needs_auth(request.path) and not proxy.authorized(request):
-            return json_error(401, "missing or invalid API key (Authorization: Bearer ...)",
-                              headers={"WWW-Authenticate": "Bearer"})
-        return await handler(request)
-    return auth
-
-
-def build_app(settings: ProxySettings) -> web.Application:
-    """The proxy as an aiohttp app; run it with handler_cancellation=True (see serve())."""
-    proxy = Proxy(settings)
-    middlewares = [json_errors_middleware, proxy_errors_middleware]
-    if settings.api_keys:
-        middlewares.append(_auth_middleware(proxy))
-    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
-    app[MAX_BODY_BYTES] = settings.max_body_bytes
-    app[PROXY] = proxy
-    app.on_startup.append(proxy.start)
-    app.on_shutdown.append(lambda _app: admin.drain_on_shutdown(proxy))
-    app.on_cleanup.append(proxy.stop)
-    app.router.add_routes(admin.routes(proxy))
-    app.router.add_post(COMPLETIONS, proxy.completions)
-    app.router.add_post(CHAT, proxy.chat)
-    app.router.add_get("/v1/models", proxy.models)
-    app.router.add_get("/health", proxy.health)
-    app.router.add_get("/status", proxy.status)
-    app.router.add_get("/metrics", proxy.metrics_endpoint)
-    return app
-
-
-class RunningProxy:
-    """A proxy serving on a socket: for tests and `pdctl up --local`."""
-
-    def __init__(self, runner: web.AppRunner, url: str) -> None:
-        self.runner = runner
-        self.url = url
-
-    @property
-    def proxy(self) -> Proxy:
-        return self.runner.app[PROXY]
-
-    async def close(self) -> None:
-        await self.runner.cleanup()
-
-
-async def serve(settings: ProxySettings) -> RunningProxy:
-    """Start the proxy on settings.host:settings.port (0: any free port)."""
-    runner = web.AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    tls = settings.listener_ssl()
-    site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
-    await site.start()
-    sock = site._server.sockets[0]  # type: ignore[union-attr]
-    host, port = sock.getsockname()[:2]
-    host = "127.0.0.1" if host == "0.0.0.0" else host
-    return RunningProxy(runner, f"{'https' if tls else 'http'}://{host}:{port}")
-
+    def route_handler(self, route: str) -> Any:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self.generate(request, route)
+        return handler
 
 async def _prepare_stream(request: web.Request, rec: Record, status: int,
                           content_type: str) -> web.StreamResponse:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from appliance.bootstrap.app import build_app as bootstrap_app
 from appliance.bootstrap.settings import BootstrapSettings
-from appliance.proxy.app import build_app as proxy_app
+from appliance.proxy.server import build_app as proxy_app
 from appliance.proxy.settings import ProxySettings
 from tests.conftest import free_port
 

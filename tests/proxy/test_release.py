@@ -163,7 +163,7 @@ def test_proxy_imports_without_the_serving_stack() -> None:
 
     code = ("import sys\n"
             "for name in ('numpy', 'torch', 'vllm', 'mooncake'): sys.modules[name] = None\n"
-            "import appliance.proxy.app, appliance.bootstrap.app, appliance.pdctl.cli\n")
+            "import appliance.proxy.server, appliance.bootstrap.app, appliance.pdctl.cli\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
