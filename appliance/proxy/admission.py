@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from appliance.proxy.backends import Backend
 from appliance.proxy.errors import ProxyError
+from appliance.proxy.waitqueue import WaitQueue
 
 RATE_LIMIT = "rate_limit_error"  # OpenAI's error type for a 429
 
@@ -30,11 +30,11 @@ class Admission:
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.on_reject = on_reject  # counted by reason: "queue_full" or "queue_timeout"
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._queue = WaitQueue()
 
     @property
     def queued(self) -> int:
-        return sum(not f.done() for f in self._waiters)
+        return self._queue.waiting
 
     def _free(self, decodes: Sequence[Backend]) -> list[Backend]:
         return [d for d in decodes if d.in_flight < self.limit]
@@ -66,31 +66,14 @@ class Admission:
                 self.on_reject("queue_timeout")
                 raise Overloaded(f"overloaded: no decode node had a free slot within "
                                  f"{self.queue_timeout_s:g} s", self.queue_timeout_s)
-            fut = loop.create_future()
-            # A waiter woken earlier keeps its place: it goes back to the front.
-            (self._waiters.appendleft if queued else self._waiters.append)(fut)
+            # A waiter woken earlier whose slot was taken keeps its place at the front.
+            await self._queue.wait(left, front=queued)
             queued = True
-            try:
-                await asyncio.wait_for(fut, left)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                if not fut.done():
-                    fut.cancel()
-                self._prune()
 
     def release(self, d: Backend) -> None:
         """The request on `d` is over: its slot goes to the first waiter."""
         d.in_flight -= 1
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-
-    def _prune(self) -> None:
-        while self._waiters and self._waiters[0].done():
-            self._waiters.popleft()
+        self._queue.wake_one()
 
 
 def _healthy(decodes: Callable[[], Sequence[Backend]]) -> Sequence[Backend]:

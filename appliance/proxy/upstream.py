@@ -20,6 +20,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from appliance.proxy.response import Connection, Response, UpstreamError
+from appliance.proxy.waitqueue import WaitQueue
 
 __all__ = ["Pool", "Response", "UpstreamError", "Upstreams", "wait_any"]
 
@@ -49,7 +50,7 @@ class Pool:
         self.deadline_s = deadline_s  # the longest one call may take, streaming included
         self.open = 0  # connections open or being opened
         self._idle: deque[Connection] = deque()
-        self._waiters: deque[asyncio.Future[None]] = deque()  # for a free connection
+        self._free = WaitQueue()  # callers waiting for a connection to free up
         self._starts: dict[str, str] = {}  # path -> request line and Host header
 
     def _put(self, conn: Connection) -> None:
@@ -58,7 +59,7 @@ class Pool:
             return
         conn.idle_since = self.loop.time()
         self._idle.append(conn)
-        self._wake_one()
+        self._free.wake_one()
 
     def _closed(self, conn: Connection) -> None:
         """A connection is gone (its connection_lost): its slot is free."""
@@ -67,14 +68,7 @@ class Pool:
             self._idle.remove(conn)  # not left queued, dead, until someone pops it
         except ValueError:
             pass
-        self._wake_one()
-
-    def _wake_one(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        self._free.wake_one()
 
     def _idle_conn(self) -> Connection | None:
         now = self.loop.time()
@@ -110,7 +104,7 @@ class Pool:
 
     def _connect_failed(self) -> None:
         self.open -= 1
-        self._wake_one()
+        self._free.wake_one()
 
     async def _acquire(self) -> Connection:
         """An idle connection, a new one within the cap, or the first one freed before the
@@ -127,15 +121,7 @@ class Pool:
                 raise UpstreamError("connect", f"all {self.max_connections} connections to "
                                     f"{self.host_header} stayed busy for "
                                     f"{self.connect_timeout:g} s")
-            fut = self.loop.create_future()
-            self._waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, left)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                if not fut.done():
-                    fut.cancel()
+            await self._free.wait(left)
 
     def _write(self, conn: Connection, path: str, body: bytes, headers: dict[str, str],
                read_timeout: float) -> Response:
