@@ -74,8 +74,12 @@ def ensure(dir: Path, rotate: bool = False) -> NodeKeys:
     return keys
 
 
-def read(path: Path) -> str:
-    value = path.read_text().strip()
+def read(path: str | Path, what: str = "key file") -> str:
+    """A secret's value; ValueError with one line naming `what` and the file."""
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: {exc.strerror or exc}") from None
     if not value:
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{what} {path} is empty")
     return value

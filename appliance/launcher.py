@@ -59,21 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # vLLM's --api-key from a file, into VLLM_API_KEY (which vLLM honours), so the key is on
     # no command line (ps, docker inspect) and in no compose file.
-    from appliance.keys import API_KEY_FILE_ENV
+    from appliance import keys
 
-    key_file = os.environ.get(API_KEY_FILE_ENV)
+    key_file = os.environ.get(keys.API_KEY_FILE_ENV)
     if key_file:
         try:
-            with open(key_file) as f:
-                key = f.read().strip()
-        except OSError as exc:
-            print(f"launcher: error: {API_KEY_FILE_ENV}={key_file}: {exc.strerror or exc}",
-                  file=sys.stderr)
+            os.environ["VLLM_API_KEY"] = keys.read(key_file, keys.API_KEY_FILE_ENV)
+        except ValueError as exc:
+            print(f"launcher: error: {exc}", file=sys.stderr)
             return 2
-        if not key:
-            print(f"launcher: error: {API_KEY_FILE_ENV}={key_file} is empty", file=sys.stderr)
-            return 2
-        os.environ["VLLM_API_KEY"] = key
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]

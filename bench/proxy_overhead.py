@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import gitref  # bench/gitref.py, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 16
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
@@ -355,9 +357,7 @@ def main() -> None:
                         "sent upstream) against the open one", now_over_it=False))
     worktree: Path | None = None
     if args.compare_ref:
-        worktree = logs / "ref"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree),
-                        args.compare_ref], check=True, capture_output=True)
+        worktree = gitref.checkout(args.compare_ref, logs / "ref")
         proc = _spawn(_proxy_args(r_port, p_port, b_port, d_port), proxy_cpus,
                       logs / "ref.log", cwd=worktree)
         procs.append(proc)
@@ -440,8 +440,7 @@ def main() -> None:
                       f"[green]{target} ok[/]" if ok else f"[red]{target} MISSED[/]")
         console.print(t)
     if worktree is not None:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                        str(worktree)], capture_output=True)
+        gitref.remove(worktree)
     console.print(f"load phase {wall:.0f} s; CPU per request is the server process's own "
                   f"(fake D direct, the proxy through it); the proxy makes two upstream "
                   f"requests per request. Load average now: "

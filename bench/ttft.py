@@ -39,6 +39,8 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gitref import checkout  # noqa: E402
+
 from appliance import tinymodel  # noqa: E402
 from appliance.process import ServiceProcess, cpu_env, vllm_serve_argv  # noqa: E402
 from appliance.proxy.split import COMPLETIONS, decode_body, prefill_body  # noqa: E402
@@ -266,18 +268,6 @@ def _median(times: list[Times]) -> Times:
     return (statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
 
 
-def checkout(ref: str, log_dir: Path) -> Path:
-    """A detached worktree of `ref` (made anew each run) whose package the setup imports."""
-    import subprocess
-
-    where = log_dir / "ref-checkout"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)],
-                   capture_output=True)
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), ref],
-                   check=True, capture_output=True)
-    return where
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -316,7 +306,7 @@ def main() -> None:
     if args.compare_immediate:
         makers.append(lambda model, log_dir: ours_setup(model, log_dir, cpu_push_delay_ms=0))
     if args.compare_ref:
-        code = checkout(args.compare_ref, args.log_dir)
+        code = checkout(args.compare_ref, args.log_dir / "ref-checkout")
         makers.append(lambda model, log_dir: ours_setup(
             model, log_dir, name=f"ours@{args.compare_ref[:10]}", code=code))
     if not args.skip_builtin:

@@ -83,8 +83,7 @@ def drain(ctx: click.Context, node: str, config_path: Path | None, local: bool,
     proxy, key_file = _target(config_path, local, run_dir)
     answer = _call(f"{proxy}/admin/{'undrain' if undo else 'drain'}", key_file,
                    {"node": node})
-    names = {n["url"] for n in answer["nodes"]
-             if node in (n["role"], n["url"]) or n["url"] == node.rstrip("/")}
+    names = set(answer["changed"])  # the nodes NODE named, as the proxy matched them
     deadline = time.monotonic() + wait
     while True:
         nodes = [n for n in answer["nodes"] if n["url"] in names]

@@ -28,6 +28,10 @@ def _safe_path(value: str, what: str) -> str:
     return value.rstrip("/") or "/"
 
 
+def _optional_file(value: str | None) -> str | None:
+    return None if value is None else _safe_path(value, "the file")
+
+
 class TransferSection(_Section):
     # Set explicitly: "rdma" on GPU hosts with RDMA NICs, "tcp" anywhere else.
     protocol: Literal["rdma", "tcp"] = "rdma"
@@ -77,15 +81,15 @@ class AuthSection(_Section):
     # channels' CURVE key) are always on: `pdctl init` (and render) write them to keys/
     # beside the rendered files (appliance.keys).
     api_keys_file: str | None = None
-    # Also ask a client key on the proxy's /metrics and /status (and /health).
+    # Also ask a client key on the proxy's /metrics and /status (/health stays open).
     protect_ops_endpoints: bool = False
     # Deprecated override of keys/bootstrap-token.
     bootstrap_token_file: str | None = None
 
     @field_validator("api_keys_file", "bootstrap_token_file")
     @classmethod
-    def _file(cls, v: str | None) -> str | None:
-        return None if v is None else _safe_path(v, "the file")
+    def _files(cls, v: str | None) -> str | None:
+        return _optional_file(v)
 
 
 class TlsSection(_Section):
@@ -96,8 +100,8 @@ class TlsSection(_Section):
 
     @field_validator("cert_file", "key_file")
     @classmethod
-    def _file(cls, v: str | None) -> str | None:
-        return None if v is None else _safe_path(v, "the file")
+    def _files(cls, v: str | None) -> str | None:
+        return _optional_file(v)
 
 
 class ImagesSection(_Section):

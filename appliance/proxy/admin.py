@@ -66,7 +66,7 @@ def routes(proxy: Proxy) -> list[web.RouteDef]:
                                    f"{', '.join(b.url for b in proxy.backends.all())})")
         for b in found:
             proxy.backends.set_draining(b, draining)
-        return web.json_response({"nodes": _nodes(proxy)})
+        return web.json_response({"nodes": _nodes(proxy), "changed": [b.url for b in found]})
 
     async def drain(request: web.Request) -> web.Response:
         return await change(request, True)

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from appliance import keys
+
 DEFAULT_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998
 API_KEYS_ENV = "APPLIANCE_PROXY_API_KEYS"
@@ -28,16 +30,6 @@ def _node_url(value: str) -> str:
     # http:// on one host or a private network; https:// (vLLM's --ssl-certfile) when the
     # proxy reaches P or D across a network others share (see upstream_ca_file).
     return _http_url(value)
-
-
-def _read_secret(path: str, what: str) -> str:
-    try:
-        value = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"{what} {path}: {exc.strerror or exc}") from None
-    if not value:
-        raise ValueError(f"{what} {path} is empty")
-    return value
 
 
 class PrefillNode(BaseModel):
@@ -156,10 +148,10 @@ class ProxySettings(BaseModel):
     @model_validator(mode="after")
     def _files(self) -> ProxySettings:
         if self.backend_api_key is None and self.backend_api_key_file:
-            self.backend_api_key = _read_secret(self.backend_api_key_file,
+            self.backend_api_key = keys.read(self.backend_api_key_file,
                                                 "backend_api_key_file")
         if self.bootstrap_token is None and self.bootstrap_token_file:
-            self.bootstrap_token = _read_secret(self.bootstrap_token_file,
+            self.bootstrap_token = keys.read(self.bootstrap_token_file,
                                                 "bootstrap_token_file")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")

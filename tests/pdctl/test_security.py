@@ -76,3 +76,20 @@ def test_guard_refuses_only_pulls_through_a_foreign_bootstrap():
     assert bootstrap_problem(s, {"prompt": "no params"}) is None
     open_node = ConnectorSettings(engine_id="d", role="consumer")
     assert bootstrap_problem(open_node, {"kv_transfer_params": foreign}) is None
+
+
+def test_launcher_refuses_a_missing_or_empty_api_key_file(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    empty = tmp_path / "api-key"
+    empty.write_text("\n")
+    for path, words in ((tmp_path / "none", "No such file"), (empty, "is empty")):
+        res = subprocess.run([sys.executable, "-m", "appliance.launcher", "serve", "m"],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, keys.API_KEY_FILE_ENV: str(path)})
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1
+        assert lines[0].startswith(f"launcher: error: {keys.API_KEY_FILE_ENV} {path}")
+        assert words in lines[0]
