@@ -107,34 +107,37 @@ async def handshake_failure(monitor: zmq.asyncio.Socket) -> str:
 
 
 class _Throttled:
-    """One warning per kind every `every_s`, with how many were held back: a client with a
-    wrong key retries about every 100 ms, and each attempt must not become a log line."""
+    """At most `burst` warnings per kind every `every_s`, then one saying how many were held
+    back: a client with a wrong key retries about every 100 ms, and each attempt must not
+    become a log line."""
 
-    def __init__(self, every_s: float = 10.0) -> None:
+    def __init__(self, every_s: float = 10.0, burst: int = 1) -> None:
         self.every_s = every_s
-        self._last: dict[str, float] = {}
+        self.burst = burst
+        self._window: dict[str, tuple[float, int]] = {}  # kind -> (start, lines in it)
         self._held: dict[str, int] = {}
 
     def warning(self, kind: str, msg: str, *args: object) -> None:
         now = time.monotonic()
-        if now - self._last.get(kind, -self.every_s) < self.every_s:
+        start, lines = self._window.get(kind, (-self.every_s, 0))
+        if now - start >= self.every_s:
+            start, lines = now, 0
+        if lines >= self.burst:
             self._held[kind] = self._held.get(kind, 0) + 1
             return
+        self._window[kind] = (start, lines + 1)
         held = self._held.pop(kind, 0)
-        self._last[kind] = now
         log.warning(msg + (f" ({held} more like it in the last {self.every_s:g} s)"
                            if held else ""), *args)
-
-
-_warn = _Throttled()
 
 
 class _Authenticator(AsyncioAuthenticator):
     """ZAP handler admitting exactly one client public key: the cluster's."""
 
-    def __init__(self, ctx: zmq.Context, public: bytes) -> None:
+    def __init__(self, ctx: zmq.Context, public: bytes, warn: _Throttled) -> None:
         super().__init__(ctx)
         self._public = public
+        self._warn = warn
         self._address = ""
         self.configure_curve_callback("*", self)
 
@@ -146,7 +149,7 @@ class _Authenticator(AsyncioAuthenticator):
     def callback(self, domain: str, key: bytes) -> bool:
         if hmac.compare_digest(key, self._public):
             return True
-        _warn.warning("auth", "side channel: refused CURVE client at %s: its key %s is not "
+        self._warn.warning("auth", "side channel: refused CURVE client at %s: its key %s is not "
                       "this cluster's", self._address, key.decode("ascii", "replace"))
         return False  # counted from the monitor's HANDSHAKE_FAILED_AUTH event
 
@@ -158,7 +161,9 @@ class CurveServer:
                  on_reject: Callable[[str], None]) -> None:
         self._sock = sock
         self._on_reject = on_reject
-        self._auth = _Authenticator(sock.context, key.public)
+        # One socket's refusals: a few lines in full, then throttled.
+        self._warn = _Throttled(burst=10)
+        self._auth = _Authenticator(sock.context, key.public, self._warn)
         self._auth.start()
         sock.curve_secretkey = key.secret
         sock.curve_publickey = key.public
@@ -174,14 +179,14 @@ class CurveServer:
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._on_reject("auth")
                 if value != 400:  # 400: our handler's denial, logged there with the peer
-                    _warn.warning("zap", "side channel %s: refused a client: ZAP status %d",
+                    self._warn.warning("zap", "side channel %s: refused a client: ZAP status %d",
                                   endpoint, value)
                 continue
             self._on_reject("handshake")
             why = (_PROTOCOL_ERRORS.get(value, f"protocol error {value:#x}")
                    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    else f"the connection ended mid-handshake (errno {value})")
-            _warn.warning("handshake", "side channel %s: refused a handshake: %s", endpoint,
+            self._warn.warning("handshake", "side channel %s: refused a handshake: %s", endpoint,
                           why)
 
     def close(self) -> None:

@@ -375,7 +375,8 @@ def test_refusal_warnings_are_throttled(caplog):
         t.warning("handshake", "refused %s", "y")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["refused x", "refused y"]
-    t._last["auth"] -= 61  # a minute later: one line, saying how many were held back
+    start, lines = t._window["auth"]
+    t._window["auth"] = (start - 61, lines)  # a minute later: one line, saying how many
     with caplog.at_level("WARNING", logger="vllm.appliance.connector.curve"):
         t.warning("auth", "refused %s", "z")
     assert caplog.records[-1].getMessage() == "refused z (4 more like it in the last 60 s)"
