@@ -1,12 +1,14 @@
-"""The proxy's aiohttp application: endpoints, the P/D exchange, cancellation, the access log.
+"""The P/D exchange: one request split into P's leg and D's (seeds steps 8-10, 25, 42-43).
 
-One request (seeds steps 8-10, 25, 42-43): pick P (and a dp rank) and D, send both at once,
-wait for P's status before any byte of D's answer reaches the client (with vLLM, D cannot
-speak before P has sent the KV, so this costs nothing), then relay D. A streaming request
-that first_token.ineligible() accepts goes P first instead: P's token reaches the client
-as soon as P answers, and D, asked then, continues after it. P failing cancels D;
-D failing cancels P; the client leaving cancels both (the server runs with
-handler_cancellation, so the handler is cancelled and its upstream connections closed).
+Pick P (and a dp rank) and D, send both at once, wait for P's status before any byte of D's
+answer reaches the client (with vLLM, D cannot speak before P has sent the KV, so this costs
+nothing), then relay D (appliance.proxy.relay). A streaming request that
+first_token.ineligible() accepts goes P first instead: P's token reaches the client as soon
+as P answers, and D, asked then, continues after it. P failing cancels D; D failing cancels
+P; the client leaving cancels both (the server runs with handler_cancellation, so the
+handler is cancelled and its upstream connections closed). Who must free P's KV is one
+state per request (appliance.proxy.ownership), released here when the request ends owing
+it. A P found down while D waits for its KV: D is asked again alone.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -27,13 +29,12 @@ from appliance.httperrors import json_error
 from appliance.proxy import first_token
 from appliance.proxy.admission import Admission
 from appliance.proxy.backends import Backend, Backends, HealthPoller, PrefillBackend
-from appliance.proxy.errors import (
-    ProxyError,
-    sse_error_event,
-    upstream_error_body,
-)
+from appliance.proxy.errors import ProxyError, upstream_error_body
 from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.release import KVReleaser, PrefillKV
+from appliance.proxy.ownership import Holder, PrefillKV, Pulls
+from appliance.proxy.record import Record
+from appliance.proxy.relay import Relay, json_response
+from appliance.proxy.release import KVReleaser
 from appliance.proxy.routing import Router
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.split import (
@@ -48,7 +49,6 @@ from appliance.proxy.split import (
 )
 from appliance.proxy.upstream import Pool, Response, UpstreamError, Upstreams, wait_any
 
-access_log = logging.getLogger("appliance.proxy.access")
 log = logging.getLogger("appliance.proxy")
 
 _encode = msgspec.json.encode
@@ -61,25 +61,6 @@ _Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
 
 
 COMPLETIONS_ROUTES = (COMPLETIONS, CHAT)  # what the proxy splits into P and D
-
-
-@dataclass(slots=True)
-class Record:
-    """What the access log line and the metrics say about one request."""
-
-    route: str
-    request_id: str
-    started: float
-    own_request_id: bool = False
-    transfer_id: str = "-"
-    prefill: str = "-"
-    decode: str = "-"
-    status: int = 0
-    prefill_s: float | None = None
-    ttfb_s: float | None = None
-    fallback: str | None = None
-    error: str | None = None
-    kv: PrefillKV | None = None  # set once P is asked to keep KV for a transfer
 
 
 class Proxy:
@@ -115,6 +96,8 @@ class Proxy:
                                    lambda why: self.metrics.overloaded.labels(why).inc())
         self.releaser = KVReleaser(self.metrics,
                                    curve_key=curve.load(settings.side_channel_key_file))
+        self.relay = Relay(settings, self.metrics, self.backends)
+        self.pulls = Pulls()  # D calls waiting on a P's KV, failed over if that P goes down
 
     async def start(self, _app: web.Application | None = None) -> None:
         # aiohttp's client for the light traffic: health checks, /query, /v1/models.
@@ -137,13 +120,22 @@ class Proxy:
         await self.releaser.close()
 
     def _node_down(self, b: Backend, why: str) -> None:
-        failed = self.upstreams.fail_node(b.url, f"{b.role} node {b.url} is down "
-                                                 f"({self.backends.down_after} failed health "
-                                                 f"checks: {why})")
+        """A node failed down_after health checks in a row: fail what it holds at once.
+        A P's calls then go to D alone; so do D's calls still waiting on that P's KV
+        (else each would wait for D's recv_timeout_s)."""
+        message = (f"{b.role} node {b.url} is down ({self.backends.down_after} failed health "
+                   f"checks: {why})")
+        failed = self.upstreams.fail_node(b.url, message)
         if failed:
             log.warning("%s %s is down (%s): failed its %d calls in flight", b.role, b.url,
                         why, failed)
             self.metrics.upstream_errors.labels(b.role, b.url, "down").inc(failed)
+        if b.role == "prefill":
+            moved = self.pulls.fail_over(b.url, message, lambda kv: log.warning(
+                "transfer=%s: %s; D asked alone", kv.transfer_id, message))
+            if moved:
+                log.warning("prefill %s is down: %d decode calls waiting on its KV go to D "
+                            "alone", b.url, moved)
 
     # ---- auth -------------------------------------------------------------------------
 
@@ -195,13 +187,16 @@ class Proxy:
                               headers={"X-Request-Id": rec.request_id})
         finally:
             self.in_flight -= 1
-            if rec.kv is not None and rec.kv.owed:
-                # However the request ended, no D took P's KV over: free it now rather
-                # than after P's send_timeout_s.
-                self.releaser.release(rec.kv)
+            if rec.kv is not None:
+                self.pulls.done(rec.kv)
+                if rec.kv.owed:
+                    # However the request ended, no D took P's KV over: free it now rather
+                    # than after P's send_timeout_s.
+                    self.releaser.release(rec.kv)
+                    rec.kv.move(Holder.NONE, "released by the proxy")
             self.metrics.count_request(route, rec.status)
             if self.settings.log_requests:
-                self._log(rec)
+                rec.log()
 
     async def _generate(self, request: web.Request, rec: Record) -> web.StreamResponse:
         if self.shutting_down:
@@ -275,7 +270,7 @@ class Proxy:
         p_timeout = self.settings.prefill_timeout_s
         d_timeout = self.settings.decode_read_timeout_s
 
-        kv.pulling = True  # D's request, sent with P's, asks for the KV
+        kv.move(Holder.ASKED, "D's request, sent with P's, asks for it")
         p.in_flight += 1
         p_counted = True
         p_resp: Response | None = None
@@ -296,7 +291,7 @@ class Proxy:
                 else:
                     p_error = p_res
                 if isinstance(d_res, UpstreamError):
-                    raise self._decode_error(d, d_res)
+                    raise self.relay.decode_error(d, d_res)
                 d_resp = d_res
             assert d_resp is not None
             if p_resp is not None:
@@ -307,7 +302,7 @@ class Proxy:
                     # D is lost or refused: P's KV would wait for a pull that never comes.
                     pr.close()
                     handed_over = True
-                    return await self._relay(request, rec, d, dr)
+                    return await self.relay.relay(request, rec, d, dr)
                 p_error = pr.error
             d_resp.touch()  # D's silence counts from P's answer: it was waiting for the KV
             p.in_flight -= 1
@@ -329,7 +324,9 @@ class Proxy:
                 d_resp.close()
                 return await self._serve_plain(request, rec, body, d, "prefill_stopped")
             handed_over = True
-            return await self._relay(request, rec, d, d_resp)
+            self.pulls.waiting(kv, d_resp)
+            return await self.relay.relay(request, rec, d, d_resp,
+                                          self._alone(rec, d, rec.route, _encode(body)))
         finally:
             if p_counted:
                 p.in_flight -= 1
@@ -345,8 +342,8 @@ class Proxy:
         self.metrics.upstream_errors.labels("prefill", p.url, error.kind).inc()
         if error.kind == "connect":
             self.backends.mark_failed(p, str(error))
-            if rec.kv is not None:
-                rec.kv.freed = True  # P never got the request (a timed-out one may hold KV)
+            if rec.kv is not None:  # P never got it (a timed-out one may hold KV)
+                rec.kv.move(Holder.NONE, "P unreachable")
         if not self.settings.fallback_to_decode:
             raise ProxyError(503, f"prefill node {p.url}: {error}")
         rec.error = f"prefill: {error}"
@@ -356,11 +353,12 @@ class Proxy:
     def _prefill_refused(self, rec: Record, p: PrefillBackend, status: int,
                          raw: bytes) -> web.Response:
         """P answered an error (for example 400, prompt too long): the client gets it."""
-        if rec.kv is not None:
-            rec.kv.freed = True  # a P request that failed frees its own blocks
+        if rec.kv is not None:  # a P request that failed frees its own blocks
+            rec.kv.move(Holder.NONE, f"P answered {status}")
         self.metrics.upstream_errors.labels("prefill", p.url, _kind(status)).inc()
         rec.error = "prefill failed"
-        return _json(status, upstream_error_body(status, raw, f"prefill node {p.url}"), rec)
+        return json_response(status, upstream_error_body(status, raw, f"prefill node {p.url}"),
+                             rec)
 
     async def _serve_first_token(self, request: web.Request, rec: Record, body: dict[str, Any],
                                  p: PrefillBackend, d: Backend) -> web.StreamResponse:
@@ -368,7 +366,6 @@ class Proxy:
         (first_token module). D is asked only once P's answer says what to continue."""
         kv, engine_id = self._pair(rec, p, d)
         transfer_id = kv.transfer_id
-        headers = self._headers(rec)
         p_data = _encode(first_token.prefill_request(body, rec.route, transfer_id))
         started = time.monotonic()
         p_resp: Response | None = None
@@ -400,76 +397,35 @@ class Proxy:
             # which P holds for this transfer.
             self.metrics.first_token.labels("decode").inc()
             d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
-            kv.pulling = True
-            return await self._serve_decode(request, rec, d, rec.route, d_data)
+            kv.move(Holder.ASKED, "D asked to answer from it")
+            d_resp = await self._send_decode(rec, d, rec.route, d_data)
+            self.pulls.waiting(kv, d_resp)
+            return await self.relay.relay(request, rec, d, d_resp,
+                                          self._alone(rec, d, rec.route, _encode(body)))
         stream = first_token.ClientStream(body, rec.route, answer)
         if answer.stopped:  # P's token is the whole answer; P freed its KV by itself
-            kv.freed = True
+            kv.move(Holder.NONE, "P's token ended the answer")
             self.metrics.first_token.labels("prefill_only").inc()
-            out = await self._open_stream(request, rec)
+            out = await self.relay.open_stream(request, rec)
             await out.write(stream.head())
             await out.write_eof()
             return out
-        d_data = _encode(first_token.continuation_request(
-            body, rec.route, answer, transfer_id, p.bootstrap_url, engine_id))
-        kv.pulling = True
-        try:
-            # D is asked before the client hears anything: a client gone by then cancels
-            # this handler, which cuts D's call and so frees the KV on both sides.
-            d_resp = await self.upstreams.pool(d.url).send(
-                COMPLETIONS, d_data, headers, read_timeout=self.settings.decode_read_timeout_s)
-        except UpstreamError as exc:
-            raise self._decode_error(d, exc) from None
+        d_body = first_token.continuation_request(
+            body, rec.route, answer, transfer_id, p.bootstrap_url, engine_id)
+        kv.move(Holder.ASKED, "D asked to continue from it")
+        # D is asked before the client hears anything: a client gone by then cancels
+        # this handler, which cuts D's call and so frees the KV on both sides.
+        d_resp = await self._send_decode(rec, d, COMPLETIONS, _encode(d_body))
+        self.pulls.waiting(kv, d_resp)
+        del d_body["kv_transfer_params"]  # what D is asked if P goes down first
+        alone = self._alone(rec, d, COMPLETIONS, _encode(d_body))
         self.metrics.first_token.labels("prefill_led").inc()
         try:
-            out = await self._open_stream(request, rec)
+            out = await self.relay.open_stream(request, rec)
             await out.write(stream.head())
-            return await self._continue_stream(request, rec, d, d_resp, out, stream)
+            return await self.relay.continue_stream(rec, d, d_resp, out, stream, alone)
         finally:
             d_resp.close()
-
-    async def _open_stream(self, request: web.Request, rec: Record) -> web.StreamResponse:
-        """The client's stream, opened with P's token as its first bytes (counted so)."""
-        out = await _prepare_stream(request, rec, 200, "text/event-stream; charset=utf-8")
-        rec.ttfb_s = time.monotonic() - rec.started
-        self.metrics.decode_ttfb.observe(rec.ttfb_s)
-        return out
-
-    async def _continue_stream(self, request: web.Request, rec: Record, d: Backend,
-                               upstream: Response, out: web.StreamResponse,
-                               stream: first_token.ClientStream) -> web.StreamResponse:
-        """D's continuation after P's token; the client's headers are sent already, so a
-        failure of D becomes an error event."""
-        try:
-            await upstream.head()
-        except UpstreamError as exc:
-            return await self._end_stream(out, rec, self._decode_error(d, exc).message)
-        if upstream.status >= 400:
-            inner = await self._decode_error_body(d, upstream)
-            return await self._end_stream(
-                out, rec, f"decode node {d.url} answered {upstream.status}: "
-                          f"{inner['error']['message']}")
-        return await self._relay_stream(request, rec, d, upstream, out=out, rewrite=stream)
-
-    async def _decode_error_body(self, d: Backend, upstream: Response) -> dict[str, Any]:
-        """D answered an error status: its body, made OpenAI-style, and counted."""
-        try:
-            raw = await upstream.read()
-        except UpstreamError:
-            raw = b""
-        self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
-        return upstream_error_body(upstream.status, raw, f"decode node {d.url}")
-
-    async def _end_stream(self, out: web.StreamResponse, rec: Record,
-                          error: str) -> web.StreamResponse:
-        """D failed before its first byte, after P's token went out (counted already)."""
-        rec.error = error
-        try:
-            await out.write(sse_error_event(502, error))
-            await out.write_eof()
-        except ConnectionResetError:
-            pass
-        return out
 
     async def _send_both(self, p_call: _Call, d_call: _Call, route: str
                          ) -> tuple[Response | UpstreamError, Response | UpstreamError]:
@@ -500,150 +456,41 @@ class Proxy:
         assert p_res is not None and d_res is not None
         return p_res, d_res
 
-    def _decode_error(self, d: Backend, exc: UpstreamError) -> ProxyError:
-        self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
-        if exc.kind == "timeout":
-            return ProxyError(504, f"decode node {d.url} did not answer in "
-                                   f"{self.settings.decode_read_timeout_s:g} s")
-        if exc.kind == "connect":
-            self.backends.mark_failed(d, str(exc))
-            return ProxyError(502, f"decode node {d.url} unreachable: {exc}")
-        return ProxyError(502, f"decode node {d.url} failed: {exc}")
-
     async def _serve_plain(self, request: web.Request, rec: Record, body: dict[str, Any],
                            d: Backend, reason: str) -> web.StreamResponse:
         """D alone, local prefill, no kv_transfer_params: the fallback when P cannot help."""
-        if rec.kv is not None:
-            rec.kv.pulling = False  # this D request does not ask for whatever P holds
+        if rec.kv is not None:  # this D request does not ask for whatever P holds
+            rec.kv.given_up(f"D asked alone ({reason})")
         self.metrics.fallbacks.labels(reason).inc()
         rec.fallback, rec.decode = reason, d.url
-        return await self._serve_decode(request, rec, d, rec.route, _encode(body))
+        upstream = await self._send_decode(rec, d, rec.route, _encode(body))
+        return await self.relay.relay(request, rec, d, upstream)
 
-    async def _serve_decode(self, request: web.Request, rec: Record, d: Backend, route: str,
-                            data: bytes) -> web.StreamResponse:
+    async def _send_decode(self, rec: Record, d: Backend, route: str, data: bytes) -> Response:
         try:
-            upstream = await self.upstreams.pool(d.url).send(
+            return await self.upstreams.pool(d.url).send(
                 route, data, self._headers(rec),
                 read_timeout=self.settings.decode_read_timeout_s)
         except UpstreamError as exc:
-            raise self._decode_error(d, exc) from None
-        return await self._relay(request, rec, d, upstream)
+            raise self.relay.decode_error(d, exc) from None
 
-    async def _relay(self, request: web.Request, rec: Record, d: Backend,
-                     upstream: Response) -> web.StreamResponse:
-        """D's answer to the client: streamed chunk by chunk, or whole; upstream closed after."""
-        try:
-            try:
-                await upstream.head()
-            except UpstreamError as exc:
-                raise self._decode_error(d, exc) from None
-            if upstream.status >= 400:
-                inner = await self._decode_error_body(d, upstream)
-                if upstream.status < 500:  # the client's mistake, as D words it
-                    return _json(upstream.status, inner, rec)
-                raise ProxyError(502, f"decode node {d.url} answered {upstream.status}: "
-                                      f"{inner['error']['message']}")
-            content_type = upstream.header("content-type") or "application/json"
-            if content_type.startswith("text/event-stream"):
-                return await self._relay_stream(request, rec, d, upstream, content_type)
-            try:
-                raw = await upstream.read()
-            except UpstreamError as exc:
-                self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
-                raise ProxyError(502, f"decode node {d.url} failed mid-answer: {exc}") from None
-            rec.ttfb_s = time.monotonic() - rec.started
-            self.metrics.decode_ttfb.observe(rec.ttfb_s)
-            if rec.kv is not None:
-                rec.kv.decode_answered()
-            return web.Response(status=upstream.status, body=raw, headers={
-                "Content-Type": content_type, "X-Request-Id": rec.request_id})
-        finally:
-            # Closing an unfinished answer cuts the connection: vLLM aborts the request.
-            upstream.close()
-
-    async def _relay_stream(self, request: web.Request, rec: Record, d: Backend,
-                            upstream: Response, content_type: str = "", *,
-                            out: web.StreamResponse | None = None,
-                            rewrite: first_token.ClientStream | None = None
-                            ) -> web.StreamResponse:
-        if out is None:
-            out = await _prepare_stream(request, rec, upstream.status, content_type)
-        tail = b""
-        error: str | None = None
-        # A 200 stream's head may come before vLLM's engine has the request; its first
-        # chunk comes after: from then on D's connector pulls or frees P's KV.
-        kv = rec.kv if upstream.status < 300 else None
-        try:
-            async for chunk in upstream.chunks():
-                if kv is not None:
-                    kv.decode_answered()
-                    kv = None
-                if rewrite is not None:
-                    chunk = rewrite.feed(chunk)
-                    if not chunk:
-                        continue
-                if rec.ttfb_s is None:
-                    rec.ttfb_s = time.monotonic() - rec.started
-                    self.metrics.decode_ttfb.observe(rec.ttfb_s)
-                try:
-                    await out.write(chunk)
-                except ConnectionResetError:
-                    rec.error = "client disconnected"
-                    return out
-                tail = (tail + chunk[-32:])[-32:]
-            if rewrite is not None:
-                rest = rewrite.flush()
-                if rest:
-                    await out.write(rest)
-                    tail = (tail + rest[-32:])[-32:]
-            if b"[DONE]" not in tail:
-                error = "decode stream ended before [DONE]"
-        except UpstreamError as exc:
-            error = f"decode node {d.url} failed mid-stream: {exc}"
-        if error is not None:
-            # Headers are gone already; the error event is how a stream says it failed.
-            self.metrics.upstream_errors.labels("decode", d.url, "stream").inc()
-            rec.error = error
-            try:
-                await out.write(sse_error_event(502, error))
-            except ConnectionResetError:
-                return out
-        try:
-            await out.write_eof()
-        except ConnectionResetError:
-            # Clients (the openai SDK among them) hang up once they read [DONE]: the answer
-            # was complete, so this is no client disconnect.
-            if error is not None:
-                rec.error = rec.error or "client disconnected"
-        return out
-
-    def _log(self, rec: Record) -> None:
-        total = time.monotonic() - rec.started
-        access_log.info(
-            "%s %s xfer=%s p=%s d=%s status=%d prefill_ms=%s ttfb_ms=%s total_ms=%.1f%s%s",
-            rec.route, rec.request_id, rec.transfer_id, rec.prefill, rec.decode, rec.status,
-            _ms(rec.prefill_s), _ms(rec.ttfb_s), total * 1000,
-            f" fallback={rec.fallback}" if rec.fallback else "",
-            f" error={rec.error!r}" if rec.error else "")
+    def _alone(self, rec: Record, d: Backend, route: str,
+               data: bytes) -> Callable[[], Awaitable[Response]]:
+        """D's call asked again without P's KV: when the P it waited on went down."""
+        async def again() -> Response:
+            assert rec.kv is not None
+            rec.kv.given_up("its P went down while D waited for the KV")
+            self.metrics.fallbacks.labels("prefill_down").inc()
+            rec.fallback = "prefill_down"
+            return await self.upstreams.pool(d.url).send(
+                route, data, self._headers(rec),
+                read_timeout=self.settings.decode_read_timeout_s)
+        return again
 
     def route_handler(self, route: str) -> Any:
         async def handler(request: web.Request) -> web.StreamResponse:
             return await self.generate(request, route)
         return handler
-
-async def _prepare_stream(request: web.Request, rec: Record, status: int,
-                          content_type: str) -> web.StreamResponse:
-    out = web.StreamResponse(status=status, headers={
-        "Content-Type": content_type, "Cache-Control": "no-cache",
-        "X-Request-Id": rec.request_id})
-    await out.prepare(request)
-    return out
-
-
-def _json(status: int, body: dict[str, Any], rec: Record) -> web.Response:
-    return web.Response(status=status, body=_encode(body), content_type="application/json",
-                        headers={"X-Request-Id": rec.request_id})
-
 
 def _failed_early(d: Response) -> bool:
     """D's call ended before P's: unreachable, timed out, or answered an error status."""
@@ -654,11 +501,5 @@ def _kind(status: int) -> str:
     return "http_4xx" if status < 500 else "http_5xx"
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+def _kind(status: int) -> str:
+    return "http_4xx" if status < 500 else "http_5xx"

@@ -22,34 +22,13 @@ import zmq.asyncio
 
 from appliance.connector import messages as m
 from appliance.connector.curve import HANDSHAKE_FAILED, CurveKey, handshake_failure, set_client
-from appliance.proxy.backends import PrefillBackend
 from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.ownership import PrefillKV
 
 log = logging.getLogger("appliance.proxy.release")
 
 _SEND_TIMEOUT_S = 2.0
 _MAX_SOCKETS = 64  # P workers seen lately; a restarted worker listens on a new port
-
-
-@dataclass(slots=True)
-class PrefillKV:
-    """The KV one request's P leg may hold, and who is now responsible for it."""
-
-    p: PrefillBackend
-    rank: int
-    transfer_id: str
-    pulling: bool = False  # the D request in flight asks for this KV
-    taken: bool = False  # D answered that request: D's connector pulls or releases it
-    freed: bool = False  # P holds none: it failed, was never reached, or its token ended it
-
-    @property
-    def owed(self) -> bool:
-        """Nobody will pull it: the proxy must release it."""
-        return not (self.taken or self.freed)
-
-    def decode_answered(self) -> None:
-        if self.pulling:
-            self.taken = True
 
 
 @dataclass
@@ -84,7 +63,7 @@ class KVReleaser:
 
     def release(self, kv: PrefillKV) -> None:
         """Fire and forget: the request's handler may be cancelled already."""
-        addrs = kv.p.side_channels.get(kv.rank)
+        addrs = kv.side_channels
         if not addrs:
             log.warning("transfer=%s: no side channel known for %s dp %d; P frees the KV "
                         "after its send_timeout_s", kv.transfer_id, kv.p.url, kv.rank)

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
 from appliance.proxy import admin
-from appliance.proxy.app import COMPLETIONS_ROUTES, Proxy, _describe, _encode
+from appliance.proxy.app import COMPLETIONS_ROUTES, Proxy, _encode
 from appliance.proxy.errors import ProxyError, proxy_errors_middleware
 from appliance.proxy.settings import ProxySettings
 
@@ -116,3 +116,9 @@ async def serve(settings: ProxySettings) -> RunningProxy:
     host, port = sock.getsockname()[:2]
     host = "127.0.0.1" if host == "0.0.0.0" else host
     return RunningProxy(runner, f"{'https' if tls else 'http'}://{host}:{port}")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

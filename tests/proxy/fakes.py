@@ -142,6 +142,7 @@ class FakeVLLM(FakeServer):
         self.error_body: dict[str, Any] | None = None
         self.hang = False  # never answer (no headers)
         self.hang_after_headers = False  # SSE headers, then silence (D waiting for KV)
+        self.wait_for_kv = False  # a request with kv_transfer_params never gets its KV
         self.delay = 0.0  # before the headers
         self.chunks = 4
         self.chunk_delay = 0.0
@@ -192,6 +193,12 @@ class FakeVLLM(FakeServer):
 
     async def _answer(self, request: web.Request, rec: Received) -> web.StreamResponse:
         if self.hang:
+            await asyncio.Event().wait()
+        if self.wait_for_kv and rec.kv:
+            if rec.body.get("stream"):  # vLLM sends a stream's head before any token
+                resp = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream; charset=utf-8"})
+                await resp.prepare(request)
             await asyncio.Event().wait()
         if self.delay:
             await asyncio.sleep(self.delay)

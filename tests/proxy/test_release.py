@@ -172,6 +172,7 @@ async def test_releaser_keeps_few_sockets(monkeypatch) -> None:
     from appliance.proxy import release
     from appliance.proxy.backends import PrefillBackend
     from appliance.proxy.metrics import ProxyMetrics
+    from appliance.proxy.ownership import PrefillKV
 
     monkeypatch.setattr(release, "_MAX_SOCKETS", 2)
     releaser = release.KVReleaser(ProxyMetrics())
@@ -179,7 +180,7 @@ async def test_releaser_keeps_few_sockets(monkeypatch) -> None:
     try:
         for port in (5001, 5002, 5003):
             p.side_channels = {0: [f"tcp://127.0.0.1:{port}"]}
-            releaser.release(release.PrefillKV(p, 0, f"x{port}"))
+            releaser.release(PrefillKV(p, 0, f"x{port}"))
             await asyncio.sleep(0.05)
         assert list(releaser._socks) == ["tcp://127.0.0.1:5002", "tcp://127.0.0.1:5003"]
     finally:

@@ -1,0 +1,124 @@
+"""Who must free the KV that P computes for one request's transfer: one explicit state.
+
+P keeps a finished prefill's blocks until a D pulls them or its `send_timeout_s` passes
+(seeds step 23). While the proxy has not seen D answer a request that asks for them, only
+the proxy knows whether anyone will come, so until then the KV is the proxy's to release
+(appliance.proxy.release); once D answered, D's connector pulls or frees it. Every change of
+holder goes through PrefillKV.move(), which refuses the impossible ones and logs each with
+the transfer id.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from appliance.proxy.backends import PrefillBackend
+from appliance.proxy.response import Response, UpstreamError
+
+log = logging.getLogger("appliance.proxy.kv")
+
+# D's call failed over because the P it waits on went down (appliance.proxy.relay retries it
+# on D alone).
+PREFILL_DOWN = "prefill_down"
+
+
+class Holder(enum.Enum):
+    PROXY = "proxy"  # P may hold KV and no D request asks for it: the proxy must release it
+    ASKED = "asked"  # a D request asking for it is in flight: still the proxy's
+    DECODE = "decode"  # D answered that request: D's connector pulls or frees it
+    NONE = "none"  # P holds none: it refused, was never reached, or its token ended it
+
+
+_ALLOWED: dict[Holder, frozenset[Holder]] = {
+    Holder.PROXY: frozenset({Holder.ASKED, Holder.NONE}),
+    # back to PROXY: the D request was given up (D asked alone instead)
+    Holder.ASKED: frozenset({Holder.DECODE, Holder.PROXY, Holder.NONE}),
+    Holder.DECODE: frozenset(),
+    Holder.NONE: frozenset(),
+}
+
+
+class OwnershipError(RuntimeError):
+    """A change of holder that cannot happen (a bug in the exchange)."""
+
+
+@dataclass(slots=True, eq=False)  # compared and hashed by identity (Pulls keeps a set)
+class PrefillKV:
+    """The KV one request's P leg may hold, and who is responsible for it now."""
+
+    p: PrefillBackend
+    rank: int
+    transfer_id: str
+    holder: Holder = Holder.PROXY
+    # D's call, once it waits only on P's KV (P answered); failed over if P goes down.
+    d_call: Response | None = None
+    # The side channels of the P workers asked, as known then: a release goes to them even
+    # when P has since gone out of rotation (a frozen P reads it once it runs again).
+    side_channels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.side_channels:
+            self.side_channels = tuple(self.p.side_channels.get(self.rank, ()))
+
+    def move(self, to: Holder, why: str) -> None:
+        """The one place the holder changes."""
+        if to is self.holder:
+            return
+        if to not in _ALLOWED[self.holder]:
+            raise OwnershipError(f"transfer={self.transfer_id}: KV cannot go from "
+                                 f"{self.holder.value} to {to.value} ({why})")
+        log.debug("transfer=%s: KV %s -> %s: %s", self.transfer_id, self.holder.value,
+                  to.value, why)
+        self.holder = to
+        if to is not Holder.ASKED:
+            self.d_call = None
+
+    @property
+    def owed(self) -> bool:
+        """Nobody else will pull or free it: the proxy must release it."""
+        return self.holder in (Holder.PROXY, Holder.ASKED)
+
+    def decode_answered(self) -> None:
+        """D's first bytes: its engine has the request, so its connector owns the KV."""
+        if self.holder is Holder.ASKED:
+            self.move(Holder.DECODE, "D answered")
+
+    def given_up(self, why: str) -> None:
+        """The D request that asked for it was abandoned (D is asked alone instead)."""
+        if self.holder is Holder.ASKED:
+            self.move(Holder.PROXY, why)
+
+
+class Pulls:
+    """D calls waiting on P's KV, by P node: when a P goes down they are failed over
+    (D alone) instead of waiting for D's `recv_timeout_s`."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[str, set[PrefillKV]] = {}
+
+    def waiting(self, kv: PrefillKV, d_call: Response) -> None:
+        if kv.holder is not Holder.ASKED:
+            return
+        kv.d_call = d_call
+        self._by_node.setdefault(kv.p.url, set()).add(kv)
+
+    def done(self, kv: PrefillKV) -> None:
+        group = self._by_node.get(kv.p.url)
+        if group is not None:
+            group.discard(kv)
+            if not group:
+                del self._by_node[kv.p.url]
+
+    def fail_over(self, p_url: str, why: str, on_fail: Callable[[PrefillKV], None]) -> int:
+        """Fail the D calls still waiting on this P's KV; returns how many."""
+        failed = 0
+        for kv in list(self._by_node.get(p_url, ())):
+            call = kv.d_call
+            if kv.holder is Holder.ASKED and call is not None and not call.done:
+                call.abort(UpstreamError(PREFILL_DOWN, why))
+                on_fail(kv)
+                failed += 1
+        return failed

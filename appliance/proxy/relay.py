@@ -1,0 +1,237 @@
+"""D's answer to the client (seeds step 43): whole, streamed, or continued after P's token.
+
+Once the client's headers are out, a failure of D can only be said by an SSE error event.
+A D call that fails because the P it waited on went down (ownership.PREFILL_DOWN) before D
+said anything is asked again on D alone (`retry`), into the same client stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from appliance.proxy import first_token
+from appliance.proxy.backends import Backend, Backends
+from appliance.proxy.errors import ProxyError, sse_error_event, upstream_error_body
+from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.ownership import PREFILL_DOWN
+from appliance.proxy.record import Record
+from appliance.proxy.response import Response, UpstreamError
+from appliance.proxy.settings import ProxySettings
+
+_encode = msgspec.json.encode
+
+# D's call asked again on D alone (after its P went down); None where it cannot be.
+Retry = Callable[[], Awaitable[Response]] | None
+
+
+class Relay:
+    def __init__(self, settings: ProxySettings, metrics: ProxyMetrics,
+                 backends: Backends) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.backends = backends
+
+    def decode_error(self, d: Backend, exc: UpstreamError) -> ProxyError:
+        self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
+        if exc.kind == "timeout":
+            return ProxyError(504, f"decode node {d.url} did not answer in "
+                                   f"{self.settings.decode_read_timeout_s:g} s")
+        if exc.kind == "connect":
+            self.backends.mark_failed(d, str(exc))
+            return ProxyError(502, f"decode node {d.url} unreachable: {exc}")
+        return ProxyError(502, f"decode node {d.url} failed: {exc}")
+
+    async def _head(self, d: Backend, upstream: Response, retry: Retry) -> Response:
+        """D's status and headers; D asked again alone if its P went down first."""
+        try:
+            return await upstream.head()
+        except UpstreamError as exc:
+            if exc.kind != PREFILL_DOWN or retry is None:
+                raise self.decode_error(d, exc) from None
+        upstream.close()
+        return await self._again(d, retry)
+
+    async def _again(self, d: Backend, retry: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            again = await retry()
+        except UpstreamError as exc:
+            raise self.decode_error(d, exc) from None
+        try:
+            return await again.head()
+        except UpstreamError as exc:
+            again.close()
+            raise self.decode_error(d, exc) from None
+
+    async def error_body(self, d: Backend, upstream: Response) -> dict[str, Any]:
+        """D answered an error status: its body, made OpenAI-style, and counted."""
+        try:
+            raw = await upstream.read()
+        except UpstreamError:
+            raw = b""
+        self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
+        return upstream_error_body(upstream.status, raw, f"decode node {d.url}")
+
+    async def relay(self, request: web.Request, rec: Record, d: Backend, upstream: Response,
+                    retry: Retry = None) -> web.StreamResponse:
+        """D's answer, streamed chunk by chunk or whole; the upstream closed after."""
+        try:
+            upstream = await self._head(d, upstream, retry)
+            if upstream.status >= 400:
+                inner = await self.error_body(d, upstream)
+                if upstream.status < 500:  # the client's mistake, as D words it
+                    return json_response(upstream.status, inner, rec)
+                raise ProxyError(502, f"decode node {d.url} answered {upstream.status}: "
+                                      f"{inner['error']['message']}")
+            content_type = upstream.header("content-type") or "application/json"
+            if content_type.startswith("text/event-stream"):
+                out = await prepare_stream(request, rec, upstream.status, content_type)
+                return await self.stream(rec, d, upstream, out, retry=retry)
+            try:
+                raw = await upstream.read()
+            except UpstreamError as exc:
+                if exc.kind == PREFILL_DOWN and retry is not None:
+                    upstream.close()
+                    return await self.relay(request, rec, d, await self._again(d, retry))
+                self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
+                raise ProxyError(502, f"decode node {d.url} failed mid-answer: {exc}") from None
+            self._first_byte(rec)
+            if rec.kv is not None:
+                rec.kv.decode_answered()
+            return web.Response(status=upstream.status, body=raw, headers={
+                "Content-Type": content_type, "X-Request-Id": rec.request_id})
+        finally:
+            # Closing an unfinished answer cuts the connection: vLLM aborts the request.
+            upstream.close()
+
+    async def continue_stream(self, rec: Record, d: Backend, upstream: Response,
+                              out: web.StreamResponse, stream: first_token.ClientStream,
+                              retry: Retry = None) -> web.StreamResponse:
+        """D's continuation after P's token; the client's headers are sent already, so a
+        failure of D becomes an error event."""
+        try:
+            upstream = await self._head(d, upstream, retry)
+        except ProxyError as exc:
+            return await self.end_stream(out, rec, exc.message)
+        try:
+            if upstream.status >= 400:
+                inner = await self.error_body(d, upstream)
+                return await self.end_stream(
+                    out, rec, f"decode node {d.url} answered {upstream.status}: "
+                              f"{inner['error']['message']}")
+            return await self.stream(rec, d, upstream, out, rewrite=stream, retry=retry)
+        finally:
+            upstream.close()
+
+    async def end_stream(self, out: web.StreamResponse, rec: Record,
+                         error: str) -> web.StreamResponse:
+        """D failed before its first byte, after P's token went out (counted already)."""
+        rec.error = error
+        try:
+            await out.write(sse_error_event(502, error))
+            await out.write_eof()
+        except ConnectionResetError:
+            pass
+        return out
+
+    async def open_stream(self, request: web.Request, rec: Record) -> web.StreamResponse:
+        """The client's stream, opened with P's token as its first bytes (counted so)."""
+        out = await prepare_stream(request, rec, 200, "text/event-stream; charset=utf-8")
+        self._first_byte(rec)
+        return out
+
+    def _first_byte(self, rec: Record) -> None:
+        if rec.ttfb_s is None:
+            rec.ttfb_s = time.monotonic() - rec.started
+            self.metrics.decode_ttfb.observe(rec.ttfb_s)
+
+    async def stream(self, rec: Record, d: Backend, upstream: Response,
+                     out: web.StreamResponse, *,
+                     rewrite: first_token.ClientStream | None = None,
+                     retry: Retry = None) -> web.StreamResponse:
+        tail = b""
+        error: str | None = None
+        # A 200 stream's head may come before vLLM's engine has the request; its first
+        # chunk comes after: from then on D's connector pulls or frees P's KV.
+        kv = rec.kv if upstream.status < 300 else None
+        relayed = False  # a byte of D's reached the client: D cannot be asked again
+        while True:
+            try:
+                async for chunk in upstream.chunks():
+                    relayed = True
+                    if kv is not None:
+                        kv.decode_answered()
+                        kv = None
+                    if rewrite is not None:
+                        chunk = rewrite.feed(chunk)
+                        if not chunk:
+                            continue
+                    self._first_byte(rec)
+                    try:
+                        await out.write(chunk)
+                    except ConnectionResetError:
+                        rec.error = "client disconnected"
+                        return out
+                    tail = (tail + chunk[-32:])[-32:]
+                if rewrite is not None:
+                    rest = rewrite.flush()
+                    if rest:
+                        await out.write(rest)
+                        tail = (tail + rest[-32:])[-32:]
+                if b"[DONE]" not in tail:
+                    error = "decode stream ended before [DONE]"
+            except UpstreamError as exc:
+                if exc.kind == PREFILL_DOWN and retry is not None and not relayed:
+                    # P went down while D waited for its KV: D alone, same client stream.
+                    upstream.close()
+                    try:
+                        upstream = await self._again(d, retry)
+                    except ProxyError as failed:
+                        error = failed.message
+                    else:
+                        if upstream.status < 300:
+                            retry = None
+                            continue
+                        error = f"decode node {d.url} answered {upstream.status}"
+                        upstream.close()
+                else:
+                    error = f"decode node {d.url} failed mid-stream: {exc}"
+            break
+        if error is not None:
+            # Headers are gone already; the error event is how a stream says it failed.
+            self.metrics.upstream_errors.labels("decode", d.url, "stream").inc()
+            rec.error = error
+            try:
+                await out.write(sse_error_event(502, error))
+            except ConnectionResetError:
+                return out
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            # Clients (the openai SDK among them) hang up once they read [DONE]: the answer
+            # was complete, so this is no client disconnect.
+            if error is not None:
+                rec.error = rec.error or "client disconnected"
+        return out
+
+
+async def prepare_stream(request: web.Request, rec: Record, status: int,
+                         content_type: str) -> web.StreamResponse:
+    out = web.StreamResponse(status=status, headers={
+        "Content-Type": content_type, "Cache-Control": "no-cache",
+        "X-Request-Id": rec.request_id})
+    await out.prepare(request)
+    return out
+
+
+def json_response(status: int, body: dict[str, Any], rec: Record) -> web.Response:
+    return web.Response(status=status, body=_encode(body), content_type="application/json",
+                        headers={"X-Request-Id": rec.request_id})
+
+
+def _kind(status: int) -> str:
+    return "http_4xx" if status < 500 else "http_5xx"

@@ -1,0 +1,48 @@
+"""Who must free P's KV for a transfer: the states and the only changes allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.proxy.backends import PrefillBackend
+from appliance.proxy.ownership import Holder, OwnershipError, PrefillKV
+
+
+def _kv() -> PrefillKV:
+    p = PrefillBackend("prefill", "http://p", side_channels={0: ["tcp://p:1"], 1: ["tcp://p:2"]})
+    return PrefillKV(p, 1, "x1")
+
+
+def test_the_proxy_owes_it_until_d_answers() -> None:
+    kv = _kv()
+    assert kv.holder is Holder.PROXY and kv.owed
+    assert kv.side_channels == ("tcp://p:2",)  # the workers of the rank asked, as of then
+    kv.move(Holder.ASKED, "D asked")
+    assert kv.owed  # D may never get it (refused before its engine, unreachable)
+    kv.decode_answered()
+    assert kv.holder is Holder.DECODE and not kv.owed
+
+
+def test_a_request_given_up_goes_back_to_the_proxy() -> None:
+    kv = _kv()
+    kv.move(Holder.ASKED, "D asked")
+    kv.given_up("D asked alone")
+    assert kv.holder is Holder.PROXY and kv.owed
+    kv.decode_answered()  # the answer of a D asked alone says nothing about this KV
+    assert kv.holder is Holder.PROXY
+
+
+@pytest.mark.parametrize("end", [Holder.DECODE, Holder.NONE])
+def test_no_way_back_once_it_is_someone_elses(end: Holder) -> None:
+    kv = _kv()
+    kv.move(Holder.ASKED, "D asked")
+    kv.move(end, "end")
+    for to in Holder:
+        if to is not end:
+            with pytest.raises(OwnershipError, match="x1"):
+                kv.move(to, "again")
+
+
+def test_decode_cannot_own_what_it_was_never_asked_for() -> None:
+    with pytest.raises(OwnershipError):
+        _kv().move(Holder.DECODE, "D answered")
