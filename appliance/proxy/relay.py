@@ -153,54 +153,60 @@ class Relay:
                      out: web.StreamResponse, *,
                      rewrite: first_token.ClientStream | None = None,
                      retry: Retry = None) -> web.StreamResponse:
+        """D's stream to the client (the caller closes `upstream`; a retried one is closed
+        here)."""
         tail = b""
         error: str | None = None
         # A 200 stream's head may come before vLLM's engine has the request; its first
         # chunk comes after: from then on D's connector pulls or frees P's KV.
         kv = rec.kv if upstream.status < 300 else None
         relayed = False  # a byte of D's reached the client: D cannot be asked again
-        while True:
-            try:
-                async for chunk in upstream.chunks():
-                    relayed = True
-                    if kv is not None:
-                        kv.decode_answered()
-                        kv = None
+        again: Response | None = None
+        try:
+            while True:
+                try:
+                    async for chunk in (again or upstream).chunks():
+                        relayed = True
+                        if kv is not None:
+                            kv.decode_answered()
+                            kv = None
+                        if rewrite is not None:
+                            chunk = rewrite.feed(chunk)
+                            if not chunk:
+                                continue
+                        self._first_byte(rec)
+                        try:
+                            await out.write(chunk)
+                        except ConnectionResetError:
+                            rec.error = "client disconnected"
+                            return out
+                        tail = (tail + chunk[-32:])[-32:]
                     if rewrite is not None:
-                        chunk = rewrite.feed(chunk)
-                        if not chunk:
-                            continue
-                    self._first_byte(rec)
-                    try:
-                        await out.write(chunk)
-                    except ConnectionResetError:
-                        rec.error = "client disconnected"
-                        return out
-                    tail = (tail + chunk[-32:])[-32:]
-                if rewrite is not None:
-                    rest = rewrite.flush()
-                    if rest:
-                        await out.write(rest)
-                        tail = (tail + rest[-32:])[-32:]
-                if b"[DONE]" not in tail:
-                    error = "decode stream ended before [DONE]"
-            except UpstreamError as exc:
-                if exc.kind == PREFILL_DOWN and retry is not None and not relayed:
-                    # P went down while D waited for its KV: D alone, same client stream.
-                    upstream.close()
-                    try:
-                        upstream = await self._again(d, retry)
-                    except ProxyError as failed:
-                        error = failed.message
-                    else:
-                        if upstream.status < 300:
-                            retry = None
-                            continue
-                        error = f"decode node {d.url} answered {upstream.status}"
+                        rest = rewrite.flush()
+                        if rest:
+                            await out.write(rest)
+                            tail = (tail + rest[-32:])[-32:]
+                    if b"[DONE]" not in tail:
+                        error = "decode stream ended before [DONE]"
+                except UpstreamError as exc:
+                    if exc.kind == PREFILL_DOWN and retry is not None and not relayed:
+                        # P went down while D waited for its KV: D alone, same client stream.
                         upstream.close()
-                else:
-                    error = f"decode node {d.url} failed mid-stream: {exc}"
-            break
+                        try:
+                            again = await self._again(d, retry)
+                        except ProxyError as failed:
+                            error = failed.message
+                        else:
+                            retry = None
+                            if again.status < 300:
+                                continue
+                            error = f"decode node {d.url} answered {again.status}"
+                    else:
+                        error = f"decode node {d.url} failed mid-stream: {exc}"
+                break
+        finally:
+            if again is not None:
+                again.close()
         if error is not None:
             # Headers are gone already; the error event is how a stream says it failed.
             self.metrics.upstream_errors.labels("decode", d.url, "stream").inc()

@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS")
     p.add_argument("--health-timeout", dest="health_timeout_s", type=float,
                    metavar="SECONDS")
+    p.add_argument("--down-after-failures", type=int, metavar="N",
+                   help="failed health checks in a row after which a node's calls fail")
     p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float,
                    metavar="SECONDS")
     p.add_argument("--prefill-timeout", dest="prefill_timeout_s", type=float,

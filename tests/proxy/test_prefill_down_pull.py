@@ -81,3 +81,16 @@ async def test_a_decode_call_that_answered_is_left_alone(make_cluster: MakeClust
     assert status == 200 and "error" not in text and "[DONE]" in text
     assert len(d.received) == 1 and not d.received[0].cancelled
     assert c.prefill[0].received[0].kv["transfer_id"] not in c.released()
+
+
+async def test_a_client_leaving_the_retried_stream_cuts_d(make_cluster: MakeCluster) -> None:
+    c = await make_cluster(**SLOW)
+    d = c.decode[0]
+    d.wait_for_kv, d.chunk_delay, d.chunks = True, 0.3, 20
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+    async with c.http.post(f"{c.url}/v1/completions", json=body) as r:
+        await _p_goes_down(c)
+        await d.wait_requests(2)
+        await r.content.readline()  # the retried stream's first event
+    await c.wait_for(lambda: d.received[1].finished.is_set())
+    assert d.received[1].cancelled  # D stops generating for a client that left

@@ -1,0 +1,151 @@
+"""`vllm bench serve` (it ships with vLLM; run through the launcher) against the appliance's
+proxy and against one plain vLLM server given the same two cores, in one run: request
+throughput, TTFT, TPOT and ITL at p50 and p99.
+
+    .venv/bin/python bench/serve.py [--workloads tiny,mixed] [--rounds 2] [--quick]
+
+Workloads (vLLM's random dataset, the model's own tokenizer):
+- tiny: the tiny model, short prompts and outputs, a closed loop of 8 clients;
+- mixed: the larger-KV model (48 KiB of KV per token), prompts of 100 to 1,900 tokens at
+  a steady arrival rate, so long prefills land among running decodes. There a plain
+  server's decode steps wait behind each prefill (its ITL p99 spikes) while the
+  appliance's D only decodes.
+
+The appliance is P on CPU 0 and D on CPU 1 behind its proxy; the plain server has both
+CPUs. Both are up at once and take turns, round by round (each round its own prompts, so
+no prefix cache helps); an idle server's workers stop polling a second after their last
+step, so the turns do not overlap. Ratios are appliance / plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ttft import SERVED, SETTLE_S, Setup, appliance_setup, serve  # noqa: E402
+
+from appliance import tinymodel  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+
+console = Console(stderr=True)
+METRICS = ("ttft", "tpot", "itl")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str
+    args: tuple[str, ...]
+
+
+WORKLOADS = {
+    "tiny": Workload("tiny", "tiny", (
+        "--random-input-len", "128", "--random-output-len", "32", "--random-range-ratio",
+        "0.5", "--num-prompts", "64", "--max-concurrency", "8")),
+    "mixed": Workload("mixed", "kvbench", (
+        "--random-input-len", "1000", "--random-output-len", "48", "--random-range-ratio",
+        "0.9", "--num-prompts", "24", "--request-rate", "1.5", "--max-concurrency", "6")),
+}
+
+
+def plain_setup(model: Path, log_dir: Path) -> Setup:
+    port = free_port()
+    return Setup("plain", [serve("plain", model, port, (0, 1), log_dir)],
+                 plain_url=f"http://127.0.0.1:{port}")
+
+
+def bench_serve(url: str, model: Path, work: Workload, seed: int, out: Path,
+                quick: bool) -> dict:
+    args = list(work.args)
+    if quick:  # a smoke run: a quarter of the prompts
+        i = args.index("--num-prompts")
+        args[i + 1] = str(max(4, int(args[i + 1]) // 4))
+    cmd = [sys.executable, "-m", "appliance.launcher", "bench", "serve", "--backend", "vllm",
+           "--base-url", url, "--model", SERVED, "--tokenizer", str(model),
+           "--dataset-name", "random", *args, "--ignore-eos", "--seed", str(seed),
+           "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
+           "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
+           "--result-filename", out.name]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed against {url}:\n{res.stdout[-2000:]}\n"
+                         f"{res.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def _row(results: list[dict]) -> dict[str, float]:
+    """Medians over the rounds of one setup's numbers."""
+    keys = ["request_throughput", "completed"] + [f"{q}_{m}_ms" for m in METRICS
+                                                  for q in ("p50", "p99")]
+    row = {}
+    for key in keys:
+        values = [r.get(key) if key in r else r.get(key.replace("p50", "median"))
+                  for r in results]
+        row[key] = statistics.median([v for v in values if v is not None] or [float("nan")])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="tiny,mixed")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a quarter of the prompts")
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-serve"))
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    tables = []
+    for name in args.workloads.split(","):
+        work = WORKLOADS[name]
+        model = tinymodel.build(ROOT / ".cache" / "models" / work.model, work.model)
+        setups = [appliance_setup(model, args.log_dir), plain_setup(model, args.log_dir)]
+        results: dict[str, list[dict]] = {s.name: [] for s in setups}
+        started: list[Setup] = []
+        try:
+            for setup in setups:
+                console.log(f"{name}: starting {setup.name}")
+                setup.start()
+                started.append(setup)
+            for rnd in range(args.rounds):
+                for setup in setups if rnd % 2 == 0 else reversed(setups):
+                    time.sleep(SETTLE_S)
+                    url = setup.proxy_url or setup.plain_url
+                    assert url is not None
+                    out = args.log_dir / f"{name}-{setup.name}-{rnd}.json"
+                    console.log(f"{name}: round {rnd + 1}, {setup.name}")
+                    results[setup.name].append(
+                        bench_serve(url, model, work, 1000 + rnd, out, args.quick))
+        finally:
+            for setup in reversed(started):
+                setup.stop()
+        tables.append((work, {k: _row(v) for k, v in results.items()}))
+
+    for work, rows in tables:
+        table = Table(title=f"{work.name} ({work.model}): {' '.join(work.args)}; medians of "
+                            f"{args.rounds} rounds")
+        table.add_column("metric")
+        for setup in rows:
+            table.add_column(setup, justify="right")
+        table.add_column("appliance / plain", justify="right")
+        for key in rows["plain"]:
+            a, p = rows["appliance"][key], rows["plain"][key]
+            table.add_row(key, f"{a:.2f}", f"{p:.2f}", f"{a / p:.2f}" if p else "-")
+        Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""P frozen (SIGSTOP) or killed while its KV is on the way to D: P has answered, D waits for
+the transfer. P's writes are slowed (the connector's fault seam, write_delay_ms) so that the
+signal lands inside the transfer. The proxy finds P down from its health checks and asks D
+again alone: every client gets a plain server's exact output well before D's
+recv_timeout_s. Afterwards (P thawed, or restarted) P is back in rotation, the node serves
+from P's KV again, and no block stays held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.conftest import free_port
+from tests.e2e.conftest import TEST_CONNECTOR, plain_request, running_node, text_of, token_prompt
+from tests.e2e.test_pd_frozen import _in_rotation
+from tests.e2e.test_pd_parity import _counter, wait_no_blocks_held
+
+pytestmark = pytest.mark.slow
+
+DELAY_MS = 3000  # every Mooncake write of P starts this late
+RECV_TIMEOUT_S = 25  # D's own deadline for a transfer
+BOUND_S = 15  # P's answer, two failed health checks (0.5 s apart), D alone: well under it
+
+
+@pytest.fixture(scope="module")
+def slow_link_node(tiny_model, tmp_path_factory):
+    connector = {**TEST_CONNECTOR, "recv_timeout_s": RECV_TIMEOUT_S, "send_timeout_s": 60}
+    with running_node(tiny_model, tmp_path_factory.mktemp("mid-transfer"),
+                      proxy_port=free_port(), connector_extra=connector,
+                      prefill_env={"PD_FAULT_INJECTION": f"write_delay_ms={DELAY_MS}"}) as node:
+        yield node
+
+
+def _body(i: int, stream: bool = False) -> dict:
+    return {"model": "tiny", "prompt": token_prompt(40 + 9 * i, seed=900 + i),
+            "max_tokens": 6, "temperature": 0, "stream": stream}
+
+
+async def _ask(url: str, body: dict) -> tuple[int, str, float]:
+    """(status, text or error body, seconds); a stream's text is joined from its events."""
+    started = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        async with http.post(url + "/v1/completions", json=body) as r:
+            raw = await r.text()
+    took = time.monotonic() - started
+    if r.status != 200:
+        return r.status, raw, took
+    if not body["stream"]:
+        return 200, json.loads(raw)["choices"][0]["text"], took
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    if any("error" in e for e in events) or not raw.endswith("data: [DONE]\n\n"):
+        return 502, raw, took
+    return 200, "".join(c.get("text", "") for e in events for c in e.get("choices", ())), took
+
+
+async def _metric(node, name: str) -> float:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(node.spec.proxy_url + "/metrics") as r:
+            text = await r.text()
+    found = re.findall(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(found[0]) if found else 0.0
+
+
+async def _prefills_answered(node, n: float, within: float = 60) -> None:
+    """Until P has answered n more prefills (the transfers are now under way, slowed)."""
+    deadline = time.monotonic() + within
+    while await _metric(node, "pd_proxy_prefill_seconds_count") < n:
+        assert time.monotonic() < deadline, "P did not answer in time"
+        await asyncio.sleep(0.05)
+
+
+async def _during_transfers(node, plain_server, signal_p) -> None:
+    wanted = [(i, stream) for i in range(4) for stream in (False, True)]
+    expected = {i: text_of(await plain_request(plain_server, "/v1/completions", _body(i)))
+                for i in range(4)}
+    done = await _metric(node, "pd_proxy_prefill_seconds_count")
+    asks = [asyncio.create_task(_ask(node.spec.proxy_url, _body(i, s))) for i, s in wanted]
+    await _prefills_answered(node, done + len(wanted))
+    fallbacks = await _metric(node, 'pd_proxy_prefill_fallbacks_total{reason="prefill_down"}')
+    signal_p()
+    results = await asyncio.gather(*asks)
+    for (i, _), (status, text, took) in zip(wanted, results, strict=True):
+        assert status == 200, text[:300]
+        assert text == expected[i]
+        assert took < BOUND_S, took  # not D's recv_timeout_s
+    moved = await _metric(node, 'pd_proxy_prefill_fallbacks_total{reason="prefill_down"}')
+    assert moved - fallbacks >= 1  # the waiting D calls were asked again, alone
+
+
+async def served_from_p(node, body: dict, want: str) -> None:
+    """The proxy split it and D received P's KV for it (no recompute, no stale peer)."""
+    fallbacks = await _metric(node, "pd_proxy_prefill_fallbacks_total")
+    received = _counter(node.spec.decode_url, "vllm:pd_kv_received_total")
+    status, text, took = await _ask(node.spec.proxy_url, body)
+    assert (status, text) == (200, want)
+    assert took < BOUND_S
+    assert await _metric(node, "pd_proxy_prefill_fallbacks_total") == fallbacks
+    deadline = time.monotonic() + 10  # D's stats reach /metrics with its next step
+    while _counter(node.spec.decode_url, "vllm:pd_kv_received_total") <= received:
+        assert time.monotonic() < deadline, "D did not receive P's KV"
+        await asyncio.sleep(0.2)
+
+
+async def _served_from_p_again(node, plain_server) -> None:
+    await _in_rotation(node, "prefill", within=120)
+    want = text_of(await plain_request(plain_server, "/v1/completions", _body(7)))
+    await served_from_p(node, _body(7), want)
+
+
+async def test_p_frozen_during_transfers(slow_link_node, plain_server):
+    node = slow_link_node
+    pgid = node.prefill.proc.pid
+    try:
+        await _during_transfers(node, plain_server, lambda: os.killpg(pgid, signal.SIGSTOP))
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    # Thawed, P answers the cancels of the abandoned transfers: D frees their blocks.
+    await wait_no_blocks_held(node, within=RECV_TIMEOUT_S + 30)
+    await _served_from_p_again(node, plain_server)
+
+
+async def test_p_killed_during_transfers_and_restarted(slow_link_node, plain_server):
+    node = slow_link_node
+    pgid = node.prefill.proc.pid
+
+    def kill() -> None:
+        os.killpg(pgid, signal.SIGKILL)
+
+    await _during_transfers(node, plain_server, kill)
+    node.prefill.proc.wait(10)
+    # D alone meanwhile: new requests are answered at once, exactly.
+    want = text_of(await plain_request(plain_server, "/v1/completions", _body(5)))
+    status, text, took = await _ask(node.spec.proxy_url, _body(5))
+    assert (status, text) == (200, want) and took < BOUND_S
+    node.prefill.start()  # same engine id, new process: D must not trust the old one's state
+    await asyncio.to_thread(node.prefill.wait_healthy, 300)
+    await _served_from_p_again(node, plain_server)
+    await wait_no_blocks_held(node, within=RECV_TIMEOUT_S + 30)
