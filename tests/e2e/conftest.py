@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ import aiohttp
 import pytest
 
 from appliance.localnode import LocalNode, NodeSpec
+from appliance.process import ServiceProcess
 from appliance.proxy.split import decode_body, prefill_body
 from tests.conftest import free_port
 
@@ -37,6 +39,20 @@ def running_node(tiny_model: Path, log_dir: Path, timeout: float = 400,
         yield node
     finally:
         node.stop()
+
+
+def second_proxy(node: LocalNode, log_dir: Path, *args: str) -> tuple[ServiceProcess, str]:
+    """Another proxy in front of the node's P and D, with its own settings (not started):
+    the process and its URL."""
+    port = free_port()
+    s = node.spec
+    url = f"http://127.0.0.1:{port}"
+    return ServiceProcess(
+        "second-proxy",
+        [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1", "--port", str(port),
+         "--prefill", f"{s.prefill_url},{s.bootstrap_url}", "--decode", s.decode_url,
+         "--health-interval", "0.5", *args],
+        log_dir / "second-proxy.log", health_url=f"{url}/health"), url
 
 
 @pytest.fixture(scope="session")
@@ -94,6 +110,22 @@ async def openai_chat_stream(base: str, messages: list[dict], max_tokens: int) -
         return [c.choices[0].delta.content or "" async for c in stream if c.choices]
     finally:
         await client.close()
+
+
+async def ask(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str]:
+    """(status, text) of a completion through `url`: 200 with the answer's text (a
+    stream's joined from its events), or the error's status and body (a stream that
+    failed, with an SSE error event or without [DONE], counts as 502)."""
+    async with http.post(url + "/v1/completions", json=body) as r:
+        raw = await r.text()
+        if r.status != 200:
+            return r.status, raw
+    if not body.get("stream"):
+        return 200, json.loads(raw)["choices"][0]["text"]
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    if any("error" in e for e in events) or not raw.endswith("data: [DONE]\n\n"):
+        return 502, raw
+    return 200, "".join(c.get("text", "") for e in events for c in e.get("choices", ()))
 
 
 def text_of(result: dict) -> str:

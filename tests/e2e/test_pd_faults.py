@@ -6,14 +6,20 @@ held afterwards."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.conftest import TEST_CONNECTOR, log_text, plain_request, running_node, token_prompt
+from tests.e2e.conftest import (
+    TEST_CONNECTOR,
+    ask,
+    log_text,
+    plain_request,
+    running_node,
+    token_prompt,
+)
 from tests.e2e.test_pd_parity import wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
@@ -26,21 +32,6 @@ FAULTS = "write_fail=16,reply_drop=16,seed=3"
 def _body(i: int, stream: bool) -> dict:
     return {"model": "tiny", "prompt": token_prompt(16 + 23 * i, seed=400 + i), "max_tokens": 8,
             "temperature": 0, "stream": stream}
-
-
-async def _ask(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str]:
-    """(status, text): 200 with the answer's text, or the error's status (an SSE error
-    event counts as 502)."""
-    async with http.post(url + "/v1/completions", json=body) as r:
-        raw = await r.text()
-        if r.status != 200:
-            return r.status, raw
-    if not body["stream"]:
-        return 200, json.loads(raw)["choices"][0]["text"]
-    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
-    if any("error" in e for e in events) or not raw.endswith("data: [DONE]\n\n"):
-        return 502, raw
-    return 200, "".join(c.get("text", "") for e in events for c in e.get("choices", ()))
 
 
 async def test_faults_one_in_16_give_exact_output_or_an_error(tiny_model, plain_server,
@@ -59,7 +50,7 @@ async def test_faults_one_in_16_give_exact_output_or_an_error(tiny_model, plain_
             i = n % PROMPTS
             async with gate:
                 started = time.monotonic()
-                status, text = await _ask(http, node.spec.proxy_url, _body(i, n % 2 == 1))
+                status, text = await ask(http, node.spec.proxy_url, _body(i, n % 2 == 1))
                 answers.append((i, status, text, time.monotonic() - started))
 
         timeout = aiohttp.ClientTimeout(total=120)

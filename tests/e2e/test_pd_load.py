@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 
 import aiohttp
 import pytest
 
-from appliance.process import ServiceProcess
-from tests.conftest import free_port
-from tests.e2e.conftest import plain_request, token_prompt
+from tests.e2e.conftest import plain_request, second_proxy, token_prompt
 from tests.e2e.test_pd_parity import wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
@@ -70,19 +67,12 @@ async def test_a_thousand_streaming_clients_all_answered_exactly(pd_node, plain_
 
 async def test_with_a_limit_only_429s_beyond_it(pd_node, plain_server, tmp_path):
     expected = await _expected(plain_server)
-    port = free_port()
-    spec = pd_node.spec
-    proxy = ServiceProcess(
-        "limited-proxy",
-        [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1", "--port", str(port),
-         "--prefill", f"{spec.prefill_url},{spec.bootstrap_url}", "--decode", spec.decode_url,
-         "--health-interval", "0.5", "--max-in-flight-per-decode", "32", "--max-queued",
-         "64", "--queue-timeout", "2", "--no-log-requests"],
-        tmp_path / "proxy.log", health_url=f"http://127.0.0.1:{port}/health")
+    proxy, url = second_proxy(pd_node, tmp_path, "--max-in-flight-per-decode", "32",
+                              "--max-queued", "64", "--queue-timeout", "2", "--no-log-requests")
     proxy.start()
     try:
         proxy.wait_healthy(60)
-        results = await _storm(f"http://127.0.0.1:{port}", 1000, bound_s=300)
+        results = await _storm(url, 1000, bound_s=300)
         statuses = {r[1] for r in results}
         assert statuses <= {200, 429}, statuses
         ok = [r for r in results if r[1] == 200]
@@ -92,7 +82,7 @@ async def test_with_a_limit_only_429s_beyond_it(pd_node, plain_server, tmp_path)
         assert all('"rate_limit_error"' in r[2] for r in refused)
         await wait_no_blocks_held(pd_node, within=60)
         # and once the storm is over, the node serves again at once
-        again = await _storm(f"http://127.0.0.1:{port}", 20, bound_s=120)
+        again = await _storm(url, 20, bound_s=120)
         assert {r[1] for r in again} == {200}
     finally:
         proxy.stop()

@@ -8,7 +8,6 @@ from P's KV again, and no block stays held."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -18,7 +17,14 @@ import aiohttp
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.conftest import TEST_CONNECTOR, plain_request, running_node, text_of, token_prompt
+from tests.e2e.conftest import (
+    TEST_CONNECTOR,
+    ask,
+    plain_request,
+    running_node,
+    text_of,
+    token_prompt,
+)
 from tests.e2e.test_pd_frozen import _in_rotation
 from tests.e2e.test_pd_parity import _counter, wait_no_blocks_held
 
@@ -44,20 +50,11 @@ def _body(i: int, stream: bool = False) -> dict:
 
 
 async def _ask(url: str, body: dict) -> tuple[int, str, float]:
-    """(status, text or error body, seconds); a stream's text is joined from its events."""
+    """(status, text or error body, seconds)."""
     started = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        async with http.post(url + "/v1/completions", json=body) as r:
-            raw = await r.text()
-    took = time.monotonic() - started
-    if r.status != 200:
-        return r.status, raw, took
-    if not body["stream"]:
-        return 200, json.loads(raw)["choices"][0]["text"], took
-    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
-    if any("error" in e for e in events) or not raw.endswith("data: [DONE]\n\n"):
-        return 502, raw, took
-    return 200, "".join(c.get("text", "") for e in events for c in e.get("choices", ())), took
+        status, text = await ask(http, url, body)
+    return status, text, time.monotonic() - started
 
 
 async def _metric(node, name: str) -> float:

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 
 import aiohttp
@@ -19,7 +18,13 @@ import pytest
 
 from appliance.process import ServiceProcess
 from tests.conftest import free_port
-from tests.e2e.conftest import plain_request, running_node, text_of, token_prompt
+from tests.e2e.conftest import (
+    plain_request,
+    running_node,
+    second_proxy,
+    text_of,
+    token_prompt,
+)
 from tests.e2e.test_pd_frozen import _in_rotation
 from tests.e2e.test_pd_mid_transfer import _ask, _metric, _prefills_answered, served_from_p
 from tests.e2e.test_pd_parity import _counter, _kv_usage, wait_no_blocks_held
@@ -195,19 +200,11 @@ async def test_decode_killed_mid_stream(node, plain_server):
 async def test_decode_stalled_past_the_read_timeout(node, plain_server, tmp_path):
     """Only the read timeout can end it: this proxy does not count D as down."""
     expected = await _expected(plain_server, range(1))
-    port = free_port()
-    spec = node.spec
-    proxy = ServiceProcess(
-        "patient-proxy",
-        [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1", "--port", str(port),
-         "--prefill", f"{spec.prefill_url},{spec.bootstrap_url}", "--decode", spec.decode_url,
-         "--health-interval", "0.5", "--down-after-failures", "100000",
-         "--decode-read-timeout", "4"],
-        tmp_path / "proxy.log", health_url=f"http://127.0.0.1:{port}/health")
+    proxy, url = second_proxy(node, tmp_path, "--down-after-failures", "100000",
+                              "--decode-read-timeout", "4")
     proxy.start()
     try:
         await asyncio.to_thread(proxy.wait_healthy, 60)
-        url = f"http://127.0.0.1:{port}"
         pgid = node.decode.proc.pid
         os.killpg(pgid, signal.SIGSTOP)
         try:
