@@ -68,8 +68,12 @@ class UpLocal:
             args += [flag, str(port)]
         args += extra
         self.log = self.log_path.open("w")
+        # As from a terminal: Ctrl-C reaches it even when this suite runs as a background
+        # job (whose shell starts it with SIGINT ignored, which children inherit).
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_DFL))
 
     @property
     def url(self) -> str:
