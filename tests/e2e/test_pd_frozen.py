@@ -64,6 +64,7 @@ async def test_frozen_prefill_node_requests_go_to_decode_within_seconds(pd_node,
                                           for i in range(4)))
     finally:
         _thaw(pd_node.prefill)
+    print(f"P frozen: answered within {max(r[2] for r in results):.1f} s")
     for (status, raw, took), want in zip(results, expected, strict=True):
         assert status == 200, raw
         assert json.loads(raw)["choices"][0]["text"] == want  # D alone: a plain prefill
@@ -83,6 +84,7 @@ async def test_frozen_decode_node_requests_end_with_an_error_within_seconds(pd_n
                                           for i, stream in ((5, False), (6, True), (7, True))))
     finally:
         _thaw(pd_node.decode)
+    print(f"D frozen: ended within {max(r[2] for r in results):.1f} s")
     for status, raw, took in results:
         assert took < BOUND_S, (status, raw[:200])
         assert status >= 500 or '"error"' in raw, (status, raw[:200])

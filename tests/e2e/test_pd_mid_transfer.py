@@ -82,7 +82,9 @@ async def _during_transfers(node, plain_server, signal_p) -> None:
     await _prefills_answered(node, done + len(wanted))
     fallbacks = await _metric(node, 'pd_proxy_prefill_fallbacks_total{reason="prefill_down"}')
     signal_p()
+    signalled = time.monotonic()
     results = await asyncio.gather(*asks)
+    print(f"all {len(wanted)} answered {time.monotonic() - signalled:.1f} s after the signal")
     for (i, _), (status, text, took) in zip(wanted, results, strict=True):
         assert status == 200, text[:300]
         assert text == expected[i]
