@@ -17,7 +17,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 
@@ -295,16 +295,25 @@ def format_errors(exc: ValidationError) -> list[str]:
     return lines
 
 
-def parse_config(data: dict[str, Any]) -> HostConfig:
-    """Validate a config mapping; ConfigError lists every problem, one per line."""
+_Checked = TypeVar("_Checked", bound=_Section)
+
+
+def validated(cls: type[_Checked], data: dict[str, Any]) -> _Checked:
+    """`cls` from a mapping, structure then its cross-field problems(); ConfigError lists
+    every problem, one per line."""
     try:
-        cfg = HostConfig.model_validate(data)
+        obj = cls.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_errors(exc)) from None
-    problems = cfg.problems()
+    problems = obj.problems()
     if problems:
         raise ConfigError(problems)
-    return cfg
+    return obj
+
+
+def parse_config(data: dict[str, Any]) -> HostConfig:
+    """Validate a host config mapping (see validated)."""
+    return validated(HostConfig, data)
 
 
 def load_config(path: Path) -> HostConfig:

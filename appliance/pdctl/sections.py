@@ -19,6 +19,10 @@ _UNSAFE = re.compile(r"[\s'\"$`\\]")
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    def problems(self) -> list[str]:
+        """Cross-field problems, one line each (a whole config's; a section has none)."""
+        return []
+
 
 def _safe_path(value: str, what: str) -> str:
     if not value.startswith("/"):
