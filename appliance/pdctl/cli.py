@@ -25,7 +25,7 @@ from appliance.pdctl.clibase import (
 )
 from appliance.pdctl.config import HostConfig, load_config
 from appliance.pdctl.draincmd import drain
-from appliance.pdctl.errors import RUNTIME, PdctlError
+from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
 from appliance.pdctl.initcmd import init
 
 __all__ = ["Env", "cli", "main"]
@@ -224,15 +224,24 @@ def logs(ctx: click.Context, service: str | None, config_path: Path | None, loca
 @click.option("--local", "local", is_flag=True,
               help="the --local node (the default when one runs and no --config is given)")
 @run_dir_option
+@click.option("--cluster", "cluster_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="the whole cluster this description names (every host's P, D, sidecar "
+                   "and the proxy)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_context
 def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: Path | None,
-           as_json: bool) -> None:
+           cluster_path: Path | None, as_json: bool) -> None:
     """Every service: up/down, health, engine ids, backends, counters. Exit 1 if unhealthy."""
     from appliance.pdctl import status as st
     from appliance.pdctl.local import LocalState, default_run_dir, process_states
 
     env = env_of(ctx)
+    if cluster_path is not None:
+        if local or config_path is not None:
+            raise PdctlError("--cluster reports on a whole cluster: give it alone, without "
+                             "--local or --config", USAGE)
+        _cluster_status(ctx, cluster_path, as_json)
+        return
     run_dir = run_dir or default_run_dir()
     state = LocalState.load(run_dir) if (local or config_path is None) else None
     if local and state is None:
@@ -277,6 +286,18 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
     else:
         st.render_table(node, env.out)
     ctx.exit(0 if node.healthy else RUNTIME)
+
+
+def _cluster_status(ctx: click.Context, path: Path, as_json: bool) -> None:
+    from appliance.pdctl import clusterstatus
+    from appliance.pdctl.cluster import load_cluster
+
+    status = clusterstatus.gather(load_cluster(path).plan())
+    if as_json:
+        click.echo(json.dumps(status.as_dict(), indent=1))
+    else:
+        clusterstatus.render_table(status, env_of(ctx).out)
+    ctx.exit(0 if status.healthy else RUNTIME)
 
 
 def _read_quietly(path: Path) -> str | None:

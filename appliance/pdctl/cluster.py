@@ -24,6 +24,7 @@ plan up on each host (`pdctl render --cluster`) builds on this.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
@@ -34,6 +35,7 @@ from appliance.pdctl.config import (
     PortsSection,
     Stack,
     TransferSection,
+    load_validated,
     validated,
 )
 from appliance.pdctl.sections import _Section
@@ -189,6 +191,10 @@ class ClusterPlan:
 
 def _url_host(ip: str) -> str:
     return f"[{ip}]" if ":" in ip else ip
+
+
+def load_cluster(path: Path) -> ClusterDescription:
+    return load_validated(ClusterDescription, path, "no such cluster description")
 
 
 def parse_cluster(data: dict[str, Any]) -> ClusterDescription:

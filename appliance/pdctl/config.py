@@ -316,17 +316,27 @@ def parse_config(data: dict[str, Any]) -> HostConfig:
     return validated(HostConfig, data)
 
 
-def load_config(path: Path) -> HostConfig:
+def read_toml(path: Path, missing: str) -> dict[str, Any]:
+    """A TOML file's mapping; ConfigError (one line) when it cannot be read."""
     try:
         with path.open("rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file (write one with `pdctl init`)") from None
+        raise ConfigError(f"{path}: {missing}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def load_validated(cls: type[_Checked], path: Path, missing: str) -> _Checked:
+    """`cls` from a TOML file; each problem line starts with the file's path."""
+    data = read_toml(path, missing)
     try:
-        return parse_config(data)
+        return validated(cls, data)
     except ConfigError as exc:
         raise ConfigError([f"{path}: {line}" for line in exc.lines]) from None
+
+
+def load_config(path: Path) -> HostConfig:
+    return load_validated(HostConfig, path, "no such config file (write one with `pdctl init`)")

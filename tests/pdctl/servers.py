@@ -174,17 +174,18 @@ class Servers:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
-    def tcp(self, app: web.Application, port: int | None = None) -> str:
+    def tcp(self, app: web.Application, port: int | None = None,
+            host: str = "127.0.0.1") -> str:
         port = port or free_port()
 
         async def start() -> None:
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            await web.TCPSite(runner, host, port).start()
             self.runners.append(runner)
 
         self._call(start())
-        return f"http://127.0.0.1:{port}"
+        return f"http://{host}:{port}"
 
     def unix(self, app: web.Application, path: Path) -> str:
         async def start() -> None:
@@ -206,6 +207,15 @@ class Servers:
         self.thread.join(10)
 
 
+def register(bootstrap: str, engine_id: str) -> None:
+    """A P worker's registration with the sidecar at `bootstrap`."""
+    req = urllib.request.Request(
+        f"{bootstrap}/register", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({"engine_id": engine_id, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0,
+                         "addr": "tcp://127.0.0.1:5555"}).encode())
+    urllib.request.urlopen(req, timeout=5).close()
+
+
 @dataclass
 class Node:
     """A fake node: real bootstrap + proxy, fake P and D, and the ports they use."""
@@ -222,11 +232,7 @@ class Node:
         servers.tcp(node.prefill.app(), ports["prefill"])
         servers.tcp(node.decode.app(), ports["decode"])
         boot = servers.tcp(bootstrap_app(BootstrapSettings(ttl=0)), ports["bootstrap"])
-        req = urllib.request.Request(
-            f"{boot}/register", method="POST", headers={"Content-Type": "application/json"},
-            data=json.dumps({"engine_id": engine_id, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0,
-                             "addr": "tcp://127.0.0.1:5555"}).encode())
-        urllib.request.urlopen(req, timeout=5).close()
+        register(boot, engine_id)
         settings = ProxySettings(
             host="127.0.0.1", port=ports["proxy"], health_interval_s=0.1,
             prefill=[{"url": f"http://127.0.0.1:{ports['prefill']}", "bootstrap_url": boot}],

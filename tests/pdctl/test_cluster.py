@@ -104,3 +104,11 @@ def test_bad_descriptions_one_line_each() -> None:
 ])
 def test_each_problem(hosts: list[dict[str, Any]], wanted: str) -> None:
     assert wanted in _problems(_desc(*hosts))
+
+
+def test_the_example_description_is_valid() -> None:
+    from appliance.pdctl.cluster import load_cluster
+    from tests.conftest import ROOT
+
+    plan = load_cluster(ROOT / "config" / "cluster.example.toml").plan()
+    assert (len(plan.of("prefill")), len(plan.of("decode"))) == (2, 3)

@@ -1,0 +1,89 @@
+"""`pdctl status --cluster FILE`: the whole cluster a description names: every P and D
+instance's health, each host's bootstrap sidecar, the proxy, and whether the proxy has each
+instance in rotation (an instance it does not list at all is a problem: its backends were
+not rendered from this description)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from appliance.pdctl.cluster import ClusterPlan
+from appliance.pdctl.status import Reply, fetch
+
+
+@dataclass
+class Member:
+    name: str  # "<host>/prefill-0", "<host>/bootstrap", "<host>/proxy"
+    url: str
+    devices: str
+    healthy: bool
+    health: str
+    in_rotation: bool | None = None  # P and D: as the proxy says; None: unknown
+
+
+@dataclass
+class ClusterStatus:
+    members: list[Member]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems and all(
+            m.healthy and m.in_rotation is not False for m in self.members)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "healthy": self.healthy}
+
+
+def _health(reply: Reply) -> tuple[bool, str]:
+    if reply.status == 200:
+        return True, "ok"
+    return False, reply.error or f"HTTP {reply.status}"
+
+
+def gather(plan: ClusterPlan, headers: Mapping[str, str] | None = None,
+           timeout: float = 3.0) -> ClusterStatus:
+    members: list[Member] = []
+    for inst in plan.instances:
+        ok, why = _health(fetch(f"{inst.url}/health", timeout))
+        members.append(Member(f"{inst.host}/{inst.role}-{inst.index}", inst.url,
+                              ",".join(map(str, inst.devices)), ok, why))
+    for url in plan.sidecars:
+        host = next(i.host for i in plan.of("prefill") if i.bootstrap_url == url)
+        ok, why = _health(fetch(f"{url}/health", timeout))
+        members.append(Member(f"{host}/bootstrap", url, "", ok, why))
+    reply = fetch(f"{plan.proxy_url}/status", timeout, headers)
+    ok, why = _health(reply)
+    members.append(Member(f"{plan.proxy_host}/proxy", plan.proxy_url, "", ok, why))
+    status = ClusterStatus(members)
+    answer = reply.json() if ok else None
+    if not isinstance(answer, dict):
+        return status
+    listed = {b.get("url"): bool(b.get("in_rotation"))
+              for role in ("prefill", "decode") for b in answer.get(role) or []
+              if isinstance(b, dict)}
+    for m in members[:len(plan.instances)]:  # the instances come first
+        if m.url in listed:
+            m.in_rotation = listed[m.url]
+        else:
+            status.problems.append(f"{m.name}: the proxy does not list {m.url} (render its "
+                                   f"backends from this description)")
+    return status
+
+
+def render_table(status: ClusterStatus, console: Console) -> None:
+    table = Table(title="cluster " + ("healthy" if status.healthy else "NOT healthy"))
+    for col in ("member", "url", "devices", "health", "in rotation"):
+        table.add_column(col)
+    for m in status.members:
+        rotation = "-" if m.in_rotation is None else ("yes" if m.in_rotation else "NO")
+        table.add_row(m.name, m.url, m.devices, m.health if m.healthy else f"[red]{m.health}",
+                      rotation)
+    console.print(table)
+    for line in status.problems:
+        console.print(f"[red]problem:[/] {line}")
