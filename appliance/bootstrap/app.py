@@ -11,11 +11,11 @@ side channels P's KV is served from, and a registration is where the proxy route
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from aiohttp import web
 
+from appliance import bearer
 from appliance.bootstrap.registry import Registry, RegistryConflict
 from appliance.bootstrap.settings import BootstrapSettings
 from appliance.bootstrap.wire import decode_registration
@@ -24,16 +24,12 @@ from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middlew
 log = logging.getLogger("appliance.bootstrap")
 
 REGISTRY = web.AppKey("registry", Registry)
-SETTINGS = web.AppKey("settings", BootstrapSettings)
+KEYS = web.AppKey("keys", bearer.Keys)  # the token; none: every caller
 
 
 def _authorized(request: web.Request) -> bool:
-    token = request.app[SETTINGS].token
-    if token is None:
-        return True
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+    keys = request.app[KEYS]
+    return not keys or keys.admit(request.headers.get("Authorization", ""))
 
 
 async def register(request: web.Request) -> web.Response:
@@ -88,7 +84,7 @@ def build_app(settings: BootstrapSettings) -> web.Application:
         middlewares=[json_errors_middleware], client_max_size=settings.max_body_bytes
     )
     app[MAX_BODY_BYTES] = settings.max_body_bytes
-    app[SETTINGS] = settings
+    app[KEYS] = bearer.Keys([settings.token])
     app[REGISTRY] = Registry(ttl=settings.ttl)
     app.router.add_post("/register", register)
     app.router.add_get("/query", query)

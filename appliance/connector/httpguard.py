@@ -12,12 +12,11 @@ vLLM's 401, never a hint about the allow-list.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 from typing import Any
 
+from appliance import bearer
 from appliance.connector.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.appliance.connector.httpguard")
@@ -49,7 +48,7 @@ class KVParamsGuard:
     def __init__(self, app: Any) -> None:
         self.app = app
         self._settings: ConnectorSettings | None = None
-        self._keys: list[bytes] | None = None
+        self._keys: bearer.Keys | None = None
 
     def _load(self, scope: dict[str, Any]) -> ConnectorSettings | None:
         if self._keys is None:
@@ -59,8 +58,7 @@ class KVParamsGuard:
                 self._settings = ConnectorSettings.from_kv_transfer_config(cfg)
             from vllm import envs
 
-            tokens = [k for k in (state.args.api_key or [envs.VLLM_API_KEY]) if k]
-            self._keys = [hashlib.sha256(k.encode()).digest() for k in tokens]
+            self._keys = bearer.Keys(state.args.api_key or [envs.VLLM_API_KEY])
         return self._settings
 
     def _authenticated(self, scope: dict[str, Any]) -> bool:
@@ -68,10 +66,7 @@ class KVParamsGuard:
         if not self._keys:
             return True
         header = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        scheme, _, given = header.decode("latin-1").partition(" ")
-        digest = hashlib.sha256(given.encode()).digest()
-        return scheme.lower() == "bearer" and any(hmac.compare_digest(digest, k)
-                                                  for k in self._keys)
+        return self._keys.admit(header.decode("latin-1"))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":

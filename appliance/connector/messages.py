@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from appliance.netaddr import host_port
+
 if TYPE_CHECKING:
     from appliance.connector.plan import Region
 
@@ -79,8 +81,7 @@ class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=Tru
     @property
     def session_id(self) -> str:
         """D's Mooncake session name, ``host:rpc_port`` (bracketed for IPv6)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.rpc_port}"
+        return host_port(self.host, self.rpc_port)
 
     def validate(self) -> None:
         """Cross-field rules msgspec cannot express; raises ``MessageError``."""

@@ -35,6 +35,7 @@ from appliance.connector.state import TransferState
 from appliance.connector.stats import TransferStats
 from appliance.connector.tpplan import Leg, leg_for
 from appliance.connector.transfer import MooncakeTransport, TransferError
+from appliance.netaddr import host_port, url_host
 
 log = logging.getLogger("vllm.appliance.connector.sender")
 
@@ -76,9 +77,9 @@ class Sender(Ledger):
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.settings.max_message_bytes)  # memory bound
         if self._key is not None:  # before bind: no handshake may precede the ZAP handler
             self._curve = curve.CurveServer(sock, self._key, self.stats.record_rejected)
-        port = sock.bind_to_random_port(f"tcp://{_zmq_host(self.host)}")
+        port = sock.bind_to_random_port(f"tcp://{url_host(self.host)}")
         self._sock = sock
-        self.side_channel_addr = f"tcp://{_zmq_host(self.host)}:{port}"
+        self.side_channel_addr = f"tcp://{host_port(self.host, port)}"
         self._tasks = [asyncio.create_task(self._listen()),
                        asyncio.create_task(keep_registered(
                            self._bootstrap, self._registration(), self.settings)),
@@ -403,6 +404,3 @@ class Sender(Ledger):
                 if t.d_req_id is None:
                     self._settle(t)
 
-
-def _zmq_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

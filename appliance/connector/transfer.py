@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.connector.descriptors import MAX_BATCH_DESCS, Descriptors, split_batches
+from appliance.netaddr import host_port
 
 PROTOCOLS = ("tcp", "rdma")
 
@@ -126,8 +127,7 @@ class MooncakeTransport:
         """``host:rpc_port``, the name peers pass to ``write`` (bracketed for IPv6)."""
         if self._engine is None:
             raise TransferError("transport not started")
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._rpc_port}"
+        return host_port(self._host, self._rpc_port)
 
     @property
     def registered(self) -> list[tuple[int, int]]:

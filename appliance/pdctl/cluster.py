@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from appliance.netaddr import host_port
 from appliance.pdctl.config import (
     HostSection,
     ModelSection,
@@ -143,13 +144,13 @@ class ClusterDescription(_Section):
                 for n, devices in enumerate(getattr(h, role)):
                     instances.append(Instance(
                         host=h.name, role=role, index=n, devices=tuple(devices),
-                        url=f"http://{_url_host(h.ip)}:{getattr(self.ports, role) + n}",
+                        url=f"http://{host_port(h.ip, getattr(self.ports, role) + n)}",
                         engine_id=f"{h.name}-{role}-{n}",
-                        bootstrap_url=(f"http://{_url_host(h.ip)}:{self.ports.bootstrap}"
+                        bootstrap_url=(f"http://{host_port(h.ip, self.ports.bootstrap)}"
                                        if role == "prefill" else None)))
         proxy_host = next(h for h in self.hosts if h.name == self.proxy.host)
         return ClusterPlan(tuple(instances),
-                           proxy_url=f"http://{_url_host(proxy_host.ip)}:{self.ports.proxy}",
+                           proxy_url=f"http://{host_port(proxy_host.ip, self.ports.proxy)}",
                            proxy_host=proxy_host.name, policy=self.proxy.policy)
 
 
@@ -187,10 +188,6 @@ class ClusterPlan:
         for d in self.of("decode"):
             args += ["--decode", d.url]
         return args
-
-
-def _url_host(ip: str) -> str:
-    return f"[{ip}]" if ":" in ip else ip
 
 
 def load_cluster(path: Path) -> ClusterDescription:

@@ -15,7 +15,6 @@ for them is released as on any failure.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import logging
 from typing import TYPE_CHECKING, Any
@@ -32,11 +31,8 @@ log = logging.getLogger("appliance.proxy.admin")
 
 
 def _allowed(proxy: Proxy, request: web.Request) -> bool:
-    key = proxy.settings.backend_api_key
-    if key:
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
-                                                                  key.encode())
+    if proxy.node_key:
+        return proxy.node_key.admit(request.headers.get("Authorization", ""))
     try:
         return ipaddress.ip_address(request.remote or "").is_loopback
     except ValueError:

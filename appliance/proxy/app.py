@@ -10,7 +10,6 @@ found down fails what it holds at once; for a P, so do the D calls waiting on it
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any
@@ -19,6 +18,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from appliance import bearer
 from appliance.connector import curve
 from appliance.httperrors import json_error
 from appliance.proxy import first_token
@@ -69,7 +69,8 @@ class Proxy:
             self.base_headers["Authorization"] = f"Bearer {settings.backend_api_key}"
         self.models_timeout = aiohttp.ClientTimeout(
             total=settings.health_timeout_s + settings.connect_timeout_s)
-        self.api_keys = [k.encode() for k in settings.api_keys]
+        self.api_keys = bearer.Keys(settings.api_keys)  # clients'
+        self.node_key = bearer.Keys([settings.backend_api_key])  # the admin API's
         # Keep-alive below uvicorn's 5 s default, so a pooled connection is never reused
         # just as vLLM closes it (a classic source of "failed after the router idled").
         # Read timeouts are checked every tick, so a tick is a fraction of the shortest one.
@@ -122,25 +123,15 @@ class Proxy:
                         why, failed)
             self.metrics.upstream_errors.labels(b.role, b.url, "down").inc(failed)
         if b.role == "prefill":
-            moved = self.pulls.fail_over(b.url, message, lambda kv: log.warning(
-                "transfer=%s: %s; D asked alone", kv.transfer_id, message))
+            moved = self.pulls.fail_over(b.url, message)
             if moved:
-                log.warning("prefill %s is down: %d decode calls waiting on its KV go to D "
-                            "alone", b.url, moved)
+                log.warning("prefill %s is down: the decode calls waiting on its KV go to D "
+                            "alone: transfer=%s", b.url, ",".join(moved))
 
     # ---- auth -------------------------------------------------------------------------
 
     def authorized(self, request: web.Request) -> bool:
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        token = given.strip().encode()
-        # Compare against every key, so timing says nothing about which one was close.
-        ok = False
-        for key in self.api_keys:
-            ok |= hmac.compare_digest(token, key)
-        return ok
+        return self.api_keys.admit(request.headers.get("Authorization", ""))
 
     def needs_auth(self, path: str) -> bool:
         if not self.api_keys:

@@ -25,6 +25,11 @@ class ProxyError(Exception):
         return error_body(self.status, self.message, self.err_type)
 
 
+def status_kind(status: int) -> str:
+    """An error status as the upstream-error metric's `kind`."""
+    return "http_4xx" if status < 500 else "http_5xx"
+
+
 def sse_error_event(status: int, message: str, err_type: str | None = None) -> bytes:
     """What a stream ends with when D fails after its first byte: an error, never a silent cut."""
     return b"data: " + msgspec.json.encode(error_body(status, message, err_type)) + b"\n\n"

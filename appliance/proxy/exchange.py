@@ -18,7 +18,7 @@ from aiohttp import web
 
 from appliance.proxy import first_token
 from appliance.proxy.backends import Backend, Backends, PrefillBackend
-from appliance.proxy.errors import ProxyError, upstream_error_body
+from appliance.proxy.errors import ProxyError, status_kind, upstream_error_body
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.ownership import Holder, PrefillKV, Pulls
 from appliance.proxy.record import Record
@@ -79,7 +79,8 @@ class Exchange:
         return rec.kv, engine_id
 
     async def split(self, request: web.Request, rec: Record, body: dict[str, Any],
-                           p: PrefillBackend, d: Backend) -> web.StreamResponse:
+                    p: PrefillBackend, d: Backend) -> web.StreamResponse:
+        """P and D at once; P's outcome before any byte of D's reaches the client."""
         kv, engine_id = self._pair(rec, p, d)
         transfer_id = kv.transfer_id
         headers = self._headers(rec)
@@ -175,13 +176,13 @@ class Exchange:
         """P answered an error (for example 400, prompt too long): the client gets it."""
         if rec.kv is not None:  # a P request that failed frees its own blocks
             rec.kv.move(Holder.NONE, f"P answered {status}")
-        self.metrics.upstream_errors.labels("prefill", p.url, _kind(status)).inc()
+        self.metrics.upstream_errors.labels("prefill", p.url, status_kind(status)).inc()
         rec.error = "prefill failed"
         return json_response(status, upstream_error_body(status, raw, f"prefill node {p.url}"),
                              rec)
 
     async def first_token(self, request: web.Request, rec: Record, body: dict[str, Any],
-                                 p: PrefillBackend, d: Backend) -> web.StreamResponse:
+                          p: PrefillBackend, d: Backend) -> web.StreamResponse:
         """P first; its token goes to the client at once, then D continues after it
         (first_token module). D is asked only once P's answer says what to continue."""
         kv, engine_id = self._pair(rec, p, d)
@@ -277,7 +278,7 @@ class Exchange:
         return p_res, d_res
 
     async def plain(self, request: web.Request, rec: Record, body: dict[str, Any],
-                           d: Backend, reason: str) -> web.StreamResponse:
+                    d: Backend, reason: str) -> web.StreamResponse:
         """D alone, local prefill, no kv_transfer_params: the fallback when P cannot help."""
         if rec.kv is not None:  # this D request does not ask for whatever P holds
             rec.kv.given_up(f"D asked alone ({reason})")
@@ -302,16 +303,10 @@ class Exchange:
             rec.kv.given_up("its P went down while D waited for the KV")
             self.metrics.fallbacks.labels("prefill_down").inc()
             rec.fallback = "prefill_down"
-            return await self.upstreams.pool(d.url).send(
-                route, data, self._headers(rec),
-                read_timeout=self.settings.decode_read_timeout_s)
+            return await self._send_decode(rec, d, route, data)
         return again
 
 
 def _failed_early(d: Response) -> bool:
     """D's call ended before P's: unreachable, timed out, or answered an error status."""
     return d.error is not None or (d.head_done and d.status >= 400)
-
-
-def _kind(status: int) -> str:
-    return "http_4xx" if status < 500 else "http_5xx"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.proxy.backends import PrefillBackend
@@ -112,13 +111,12 @@ class Pulls:
             if not group:
                 del self._by_node[kv.p.url]
 
-    def fail_over(self, p_url: str, why: str, on_fail: Callable[[PrefillKV], None]) -> int:
-        """Fail the D calls still waiting on this P's KV; returns how many."""
-        failed = 0
+    def fail_over(self, p_url: str, why: str) -> list[str]:
+        """Fail the D calls still waiting on this P's KV; returns their transfer ids."""
+        failed = []
         for kv in list(self._by_node.get(p_url, ())):
             call = kv.d_call
             if kv.holder is Holder.ASKED and call is not None and not call.done:
                 call.abort(UpstreamError(PREFILL_DOWN, why))
-                on_fail(kv)
-                failed += 1
+                failed.append(kv.transfer_id)
         return failed

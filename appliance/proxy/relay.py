@@ -16,7 +16,12 @@ from aiohttp import web
 
 from appliance.proxy import first_token
 from appliance.proxy.backends import Backend, Backends
-from appliance.proxy.errors import ProxyError, sse_error_event, upstream_error_body
+from appliance.proxy.errors import (
+    ProxyError,
+    sse_error_event,
+    status_kind,
+    upstream_error_body,
+)
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.ownership import PREFILL_DOWN
 from appliance.proxy.record import Record
@@ -57,10 +62,7 @@ class Relay:
         return await self._again(d, retry)
 
     async def _again(self, d: Backend, retry: Callable[[], Awaitable[Response]]) -> Response:
-        try:
-            again = await retry()
-        except UpstreamError as exc:
-            raise self.decode_error(d, exc) from None
+        again = await retry()  # a ProxyError if D cannot be asked
         try:
             return await again.head()
         except UpstreamError as exc:
@@ -73,7 +75,7 @@ class Relay:
             raw = await upstream.read()
         except UpstreamError:
             raw = b""
-        self.metrics.upstream_errors.labels("decode", d.url, _kind(upstream.status)).inc()
+        self.metrics.upstream_errors.labels("decode", d.url, status_kind(upstream.status)).inc()
         return upstream_error_body(upstream.status, raw, f"decode node {d.url}")
 
     async def relay(self, request: web.Request, rec: Record, d: Backend, upstream: Response,
@@ -237,7 +239,3 @@ async def prepare_stream(request: web.Request, rec: Record, status: int,
 def json_response(status: int, body: dict[str, Any], rec: Record) -> web.Response:
     return web.Response(status=status, body=_encode(body), content_type="application/json",
                         headers={"X-Request-Id": rec.request_id})
-
-
-def _kind(status: int) -> str:
-    return "http_4xx" if status < 500 else "http_5xx"

@@ -1,6 +1,6 @@
 """The proxy as an aiohttp application: its routes and middlewares, the ops endpoints
-(/v1/models, /health, /status, /metrics), and `serve()` for tests and benchmarks. The
-exchange itself (P and D for each request) is `appliance.proxy.app.Proxy`."""
+(/v1/models, /health, /status, /metrics), and `serve()` for tests and benchmarks. Each
+request goes to `appliance.proxy.app.Proxy`, its exchange to `appliance.proxy.exchange`."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from appliance import keys
+from appliance.netaddr import host_port
 
 DEFAULT_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -51,8 +52,7 @@ class PrefillNode(BaseModel):
             return _http_url(v)
         # Default: the sidecar on P's host at the MooncakeConnector's standard port.
         base = urlsplit(info.data.get("url", ""))
-        host = f"[{base.hostname}]" if base.hostname and ":" in base.hostname else base.hostname
-        return f"http://{host}:{DEFAULT_BOOTSTRAP_PORT}"
+        return f"http://{host_port(base.hostname or '', DEFAULT_BOOTSTRAP_PORT)}"
 
 
 class DecodeNode(BaseModel):
@@ -149,10 +149,10 @@ class ProxySettings(BaseModel):
     def _files(self) -> ProxySettings:
         if self.backend_api_key is None and self.backend_api_key_file:
             self.backend_api_key = keys.read(self.backend_api_key_file,
-                                                "backend_api_key_file")
+                                             "backend_api_key_file")
         if self.bootstrap_token is None and self.bootstrap_token_file:
             self.bootstrap_token = keys.read(self.bootstrap_token_file,
-                                                "bootstrap_token_file")
+                                             "bootstrap_token_file")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         return self
