@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 import sys
 import time
@@ -15,11 +14,7 @@ import urllib.request
 
 import aiohttp
 
-
-def _metric(proxy: str, name: str) -> float:
-    text = urllib.request.urlopen(proxy + "/metrics", timeout=5).read().decode()
-    found = re.findall(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-    return float(found[0]) if found else 0.0
+from tests.e2e.observe import kv_usage, metric
 
 
 def _wait(check, within: float, what: str) -> None:
@@ -28,13 +23,6 @@ def _wait(check, within: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"timed out waiting for {what}")
         time.sleep(0.1)
-
-
-def _usage(base: str, headers: dict) -> float:
-    req = urllib.request.Request(base + "/metrics", headers=headers)
-    text = urllib.request.urlopen(req, timeout=5).read().decode()
-    return max(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:kv_cache_usage_perc"))
 
 
 def _in_rotation(proxy: str) -> bool:
@@ -61,28 +49,27 @@ async def main(args: dict) -> None:
     prefill_down = 'pd_proxy_prefill_fallbacks_total{reason="prefill_down"}'
     out: dict = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        done = _metric(proxy, "pd_proxy_prefill_seconds_count")
+        done = metric(proxy, "pd_proxy_prefill_seconds_count")
         bodies = [{"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0}
                   for p in args["prompts"]]
         asks = [asyncio.create_task(_ask(http, proxy, b)) for b in bodies]
-        while _metric(proxy, "pd_proxy_prefill_seconds_count") < done + len(bodies):
+        while metric(proxy, "pd_proxy_prefill_seconds_count") < done + len(bodies):
             await asyncio.sleep(0.05)
         subprocess.run(["ip", "link", "set", dev, "down"], check=True)
         cut = time.monotonic()
         out["answers"] = await asyncio.gather(*asks)
         out["cut_s"] = time.monotonic() - cut
-        out["moved"] = _metric(proxy, prefill_down)
+        out["moved"] = metric(proxy, prefill_down)
         subprocess.run(["ip", "link", "set", dev, "up"], check=True)
         restored = time.monotonic()
         _wait(lambda: _in_rotation(proxy), 60, "P back in rotation")
         out["recovered_s"] = time.monotonic() - restored
-        fallbacks = _metric(proxy, "pd_proxy_prefill_fallbacks_total")
+        fallbacks = metric(proxy, "pd_proxy_prefill_fallbacks_total")
         out["after"] = await _ask(http, proxy, bodies[0])
-        out["after_from_p"] = _metric(proxy, "pd_proxy_prefill_fallbacks_total") == fallbacks
+        out["after_from_p"] = metric(proxy, "pd_proxy_prefill_fallbacks_total") == fallbacks
     # Nothing held on either host once the abandoned transfers are settled.
-    keyed = {"Authorization": f"Bearer {args['api_key']}"}
     freed = time.monotonic()
-    _wait(lambda: _usage(args["prefill"], keyed) == _usage(args["decode"], keyed) == 0, 90,
+    _wait(lambda: kv_usage(args["prefill"]) == kv_usage(args["decode"]) == 0, 90,
           "no blocks held")
     out["freed_s"] = time.monotonic() - freed
     print(json.dumps(out))

@@ -20,7 +20,7 @@ from tests.e2e.conftest import (
     running_node,
     token_prompt,
 )
-from tests.e2e.test_pd_parity import wait_no_blocks_held
+from tests.e2e.observe import wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
 

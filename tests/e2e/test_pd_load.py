@@ -6,14 +6,13 @@ afterwards, and each answer is the plain server's."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import plain_request, second_proxy, token_prompt
-from tests.e2e.test_pd_parity import wait_no_blocks_held
+from tests.e2e.conftest import ask, plain_request, second_proxy, token_prompt
+from tests.e2e.observe import wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +37,7 @@ async def _storm(url: str, n: int, bound_s: float) -> list[tuple[int, int, str]]
     """n streaming clients at once: (prompt, status, streamed text or error body)."""
     async def one(http: aiohttp.ClientSession, k: int) -> tuple[int, int, str]:
         i = k % PROMPTS
-        async with http.post(url + "/v1/completions", json=_body(i)) as r:
-            raw = await r.text()
-        if r.status != 200:
-            return i, r.status, raw
-        events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
-        if not raw.endswith("data: [DONE]\n\n") or any("error" in e for e in events):
-            return i, 502, raw
-        return i, 200, "".join(c.get("text", "") for e in events for c in e.get("choices", ()))
+        return (i, *await ask(http, url, _body(i)))
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector,

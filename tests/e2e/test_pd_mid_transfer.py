@@ -9,30 +9,35 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 
-import aiohttp
 import pytest
 
 from tests.conftest import free_port
 from tests.e2e.conftest import (
     TEST_CONNECTOR,
-    ask,
     plain_request,
     running_node,
     text_of,
     token_prompt,
 )
-from tests.e2e.test_pd_frozen import _in_rotation
-from tests.e2e.test_pd_parity import _counter, wait_no_blocks_held
+from tests.e2e.observe import (
+    in_rotation,
+    metric,
+    prefills_answered,
+    served_from_p,
+    timed_ask,
+    wait_no_blocks_held,
+)
 
 pytestmark = pytest.mark.slow
 
 DELAY_MS = 3000  # every Mooncake write of P starts this late
 RECV_TIMEOUT_S = 25  # D's own deadline for a transfer
 BOUND_S = 15  # P's answer, two failed health checks (0.5 s apart), D alone: well under it
+
+PREFILL_DOWN = 'pd_proxy_prefill_fallbacks_total{reason="prefill_down"}'
 
 
 @pytest.fixture(scope="module")
@@ -49,38 +54,14 @@ def _body(i: int, stream: bool = False) -> dict:
             "max_tokens": 6, "temperature": 0, "stream": stream}
 
 
-async def _ask(url: str, body: dict) -> tuple[int, str, float]:
-    """(status, text or error body, seconds)."""
-    started = time.monotonic()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        status, text = await ask(http, url, body)
-    return status, text, time.monotonic() - started
-
-
-async def _metric(node, name: str) -> float:
-    async with aiohttp.ClientSession() as http:
-        async with http.get(node.spec.proxy_url + "/metrics") as r:
-            text = await r.text()
-    found = re.findall(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-    return float(found[0]) if found else 0.0
-
-
-async def _prefills_answered(node, n: float, within: float = 60) -> None:
-    """Until P has answered n more prefills (the transfers are now under way, slowed)."""
-    deadline = time.monotonic() + within
-    while await _metric(node, "pd_proxy_prefill_seconds_count") < n:
-        assert time.monotonic() < deadline, "P did not answer in time"
-        await asyncio.sleep(0.05)
-
-
 async def _during_transfers(node, plain_server, signal_p) -> None:
     wanted = [(i, stream) for i in range(4) for stream in (False, True)]
     expected = {i: text_of(await plain_request(plain_server, "/v1/completions", _body(i)))
                 for i in range(4)}
-    done = await _metric(node, "pd_proxy_prefill_seconds_count")
-    asks = [asyncio.create_task(_ask(node.spec.proxy_url, _body(i, s))) for i, s in wanted]
-    await _prefills_answered(node, done + len(wanted))
-    fallbacks = await _metric(node, 'pd_proxy_prefill_fallbacks_total{reason="prefill_down"}')
+    done = metric(node.spec.proxy_url, "pd_proxy_prefill_seconds_count")
+    asks = [asyncio.create_task(timed_ask(node.spec.proxy_url, _body(i, s))) for i, s in wanted]
+    await prefills_answered(node, done + len(wanted))
+    fallbacks = metric(node.spec.proxy_url, PREFILL_DOWN)
     signal_p()
     signalled = time.monotonic()
     results = await asyncio.gather(*asks)
@@ -89,28 +70,14 @@ async def _during_transfers(node, plain_server, signal_p) -> None:
         assert status == 200, text[:300]
         assert text == expected[i]
         assert took < BOUND_S, took  # not D's recv_timeout_s
-    moved = await _metric(node, 'pd_proxy_prefill_fallbacks_total{reason="prefill_down"}')
+    moved = metric(node.spec.proxy_url, PREFILL_DOWN)
     assert moved - fallbacks >= 1  # the waiting D calls were asked again, alone
 
 
-async def served_from_p(node, body: dict, want: str) -> None:
-    """The proxy split it and D received P's KV for it (no recompute, no stale peer)."""
-    fallbacks = await _metric(node, "pd_proxy_prefill_fallbacks_total")
-    received = _counter(node.spec.decode_url, "vllm:pd_kv_received_total")
-    status, text, took = await _ask(node.spec.proxy_url, body)
-    assert (status, text) == (200, want)
-    assert took < BOUND_S
-    assert await _metric(node, "pd_proxy_prefill_fallbacks_total") == fallbacks
-    deadline = time.monotonic() + 10  # D's stats reach /metrics with its next step
-    while _counter(node.spec.decode_url, "vllm:pd_kv_received_total") <= received:
-        assert time.monotonic() < deadline, "D did not receive P's KV"
-        await asyncio.sleep(0.2)
-
-
 async def _served_from_p_again(node, plain_server) -> None:
-    await _in_rotation(node, "prefill", within=120)
+    await in_rotation(node, "prefill", within=120)
     want = text_of(await plain_request(plain_server, "/v1/completions", _body(7)))
-    await served_from_p(node, _body(7), want)
+    await served_from_p(node, _body(7), want, BOUND_S)
 
 
 async def test_p_frozen_during_transfers(slow_link_node, plain_server):
@@ -136,7 +103,7 @@ async def test_p_killed_during_transfers_and_restarted(slow_link_node, plain_ser
     node.prefill.proc.wait(10)
     # D alone meanwhile: new requests are answered at once, exactly.
     want = text_of(await plain_request(plain_server, "/v1/completions", _body(5)))
-    status, text, took = await _ask(node.spec.proxy_url, _body(5))
+    status, text, took = await timed_ask(node.spec.proxy_url, _body(5))
     assert (status, text) == (200, want) and took < BOUND_S
     node.prefill.start()  # same engine id, new process: D must not trust the old one's state
     await asyncio.to_thread(node.prefill.wait_healthy, 300)

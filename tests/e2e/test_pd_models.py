@@ -20,7 +20,8 @@ from tests.e2e.conftest import (
     text_of,
     token_prompt,
 )
-from tests.e2e.test_pd_parity import _counter, tokens_of, wait_no_blocks_held
+from tests.e2e.observe import metric, wait_no_blocks_held
+from tests.e2e.test_pd_parity import tokens_of
 
 pytestmark = pytest.mark.slow
 
@@ -113,6 +114,6 @@ async def test_decode_really_uses_prefill_kv(setup):
 async def test_z_every_transfer_landed_and_no_blocks_left_held(setup):
     """No request above fell back to recomputing on D: each one's KV came from P."""
     d = setup.node.spec.decode_url
-    assert _counter(d, "vllm:pd_kv_failed_receives_total") == 0
-    assert _counter(d, "vllm:pd_kv_received_total") >= len(setup.family.lengths()) + 7
+    assert metric(d, "vllm:pd_kv_failed_receives_total") == 0
+    assert metric(d, "vllm:pd_kv_received_total") >= len(setup.family.lengths()) + 7
     await wait_no_blocks_held(setup.node)

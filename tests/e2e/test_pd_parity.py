@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-import urllib.request
 
 import pytest
 
 from tests.e2e.conftest import log_text, pd_request, plain_request, text_of, token_prompt
+from tests.e2e.observe import kv_usage, metric, wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
 
@@ -130,50 +130,25 @@ async def test_decode_client_abort_releases_blocks(pd_node):
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(pd_request(pd_node, "/v1/completions", body, send_p=False), 1.5)
     start = time.monotonic()
-    while _kv_usage(pd_node.spec.decode_url) > 0:
+    while kv_usage(pd_node.spec.decode_url) > 0:
         assert time.monotonic() - start < 6, "aborted request still holds D's blocks"
         await asyncio.sleep(0.2)
-
-
-def _kv_usage(base: str) -> float:
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:kv_cache_usage_perc")]
-    assert values, "vllm:kv_cache_usage_perc not exported"
-    return max(values)
-
-
-def _counter(base: str, name: str) -> float:
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 async def test_z_transfer_metrics_exported(pd_node):
     """The connector's stats reach each server's Prometheus /metrics."""
     deadline = time.monotonic() + 30
     while True:
-        sent = _counter(pd_node.spec.prefill_url, "vllm:pd_kv_transfers_total")
-        received = _counter(pd_node.spec.decode_url, "vllm:pd_kv_received_total")
-        failed = _counter(pd_node.spec.decode_url, "vllm:pd_kv_failed_receives_total")
+        sent = metric(pd_node.spec.prefill_url, "vllm:pd_kv_transfers_total")
+        received = metric(pd_node.spec.decode_url, "vllm:pd_kv_received_total")
+        failed = metric(pd_node.spec.decode_url, "vllm:pd_kv_failed_receives_total")
         if sent >= 10 and received >= 10 and failed >= 1:
             break
         assert time.monotonic() < deadline, (sent, received, failed)
         await asyncio.sleep(1)
-    assert _counter(pd_node.spec.prefill_url, "vllm:pd_kv_transfer_bytes_total") > 0
+    assert metric(pd_node.spec.prefill_url, "vllm:pd_kv_transfer_bytes_total") > 0
 
 
 async def test_zz_no_blocks_left_held(pd_node):
     """After every test above: neither side holds KV blocks (no leak on any path)."""
     await wait_no_blocks_held(pd_node)
-
-
-async def wait_no_blocks_held(pd_node, within: float = 30) -> None:
-    """Until neither P nor D holds a KV block; fails after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        usage = (_kv_usage(pd_node.spec.prefill_url), _kv_usage(pd_node.spec.decode_url))
-        if usage == (0.0, 0.0):
-            return
-        assert time.monotonic() < deadline, f"blocks still held: P, D usage = {usage}"
-        await asyncio.sleep(0.2)

@@ -20,7 +20,8 @@ from tests.e2e.conftest import (
     text_of,
     token_prompt,
 )
-from tests.e2e.test_pd_parity import BLOCK, LENGTHS, _kv_usage, wait_no_blocks_held
+from tests.e2e.observe import kv_usage, wait_no_blocks_held
+from tests.e2e.test_pd_parity import BLOCK, LENGTHS
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ async def test_prefill_rejection_reaches_client_and_frees_decode(pd_node):
             status, answer = r.status, await r.json()
     assert status == 400 and "error" in answer
     assert time.monotonic() - start < 5
-    while _kv_usage(pd_node.spec.decode_url) > 0:
+    while kv_usage(pd_node.spec.decode_url) > 0:
         assert time.monotonic() - start < 6, "D still holds blocks for the rejected request"
         await asyncio.sleep(0.2)
 
@@ -145,7 +146,7 @@ async def test_first_token_that_ends_the_answer_frees_prefill_at_once(pd_node, p
     _, events, _ = await stream_through_proxy(
         pd_node, "/v1/completions", {**body, "stream": True, "stop_token_ids": [first]})
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
-    while _kv_usage(pd_node.spec.prefill_url) > 0:
+    while kv_usage(pd_node.spec.prefill_url) > 0:
         # The tests' send_timeout_s is 15 s: well before it, or P held the blocks.
         assert time.monotonic() - start < 5, "P still holds the stopped request's KV"
         await asyncio.sleep(0.2)

@@ -25,9 +25,15 @@ from tests.e2e.conftest import (
     text_of,
     token_prompt,
 )
-from tests.e2e.test_pd_frozen import _in_rotation
-from tests.e2e.test_pd_mid_transfer import _ask, _metric, _prefills_answered, served_from_p
-from tests.e2e.test_pd_parity import _counter, _kv_usage, wait_no_blocks_held
+from tests.e2e.observe import (
+    in_rotation,
+    kv_usage,
+    metric,
+    prefills_answered,
+    served_from_p,
+    timed_ask,
+    wait_no_blocks_held,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +71,7 @@ async def _restart(svc: ServiceProcess) -> None:
 async def _p_usage_zero(node, within: float) -> float:
     """Seconds until P holds no block."""
     started = time.monotonic()
-    while _kv_usage(node.spec.prefill_url) > 0:
+    while kv_usage(node.spec.prefill_url) > 0:
         assert time.monotonic() - started < within, "P still holds blocks"
         await asyncio.sleep(0.1)
     return time.monotonic() - started
@@ -80,7 +86,7 @@ async def test_sidecar_restarted_requests_keep_flowing(node, plain_server):
         k = 0
         while not stop.is_set() and k < 200:  # bounded
             i = k % 6
-            status, text, _ = await _ask(node.spec.proxy_url, _body(i))
+            status, text, _ = await timed_ask(node.spec.proxy_url, _body(i))
             results.append((i, status, text))
             k += 1
 
@@ -90,7 +96,7 @@ async def test_sidecar_restarted_requests_keep_flowing(node, plain_server):
     await asyncio.sleep(2)
     await _restart(node.bootstrap)
     restarted = time.monotonic()
-    await _in_rotation(node, "prefill", within=TTL_S)  # P's workers registered again
+    await in_rotation(node, "prefill", within=TTL_S)  # P's workers registered again
     print(f"P back in rotation {time.monotonic() - restarted:.1f} s after the sidecar")
     await asyncio.sleep(1)
     stop.set()
@@ -107,31 +113,31 @@ async def _long(plain_server: str, i: int) -> tuple[dict, str]:
 
 
 def _p_requests(node) -> float:
-    return _counter(node.spec.prefill_url, "vllm:request_success_total")
+    return metric(node.spec.prefill_url, "vllm:request_success_total")
 
 
 async def test_drained_prefill_finishes_its_work_and_gets_nothing_new(node, plain_server):
     long_body, long_want = await _long(plain_server, 4)
     expected = await _expected(plain_server, range(3))
     url = node.spec.proxy_url
-    asks = [asyncio.create_task(_ask(url, long_body)) for _ in range(3)]
-    done = await _metric(node, "pd_proxy_prefill_seconds_count")
+    asks = [asyncio.create_task(timed_ask(url, long_body)) for _ in range(3)]
+    done = metric(node.spec.proxy_url, "pd_proxy_prefill_seconds_count")
     async with aiohttp.ClientSession() as http:
-        await _prefills_answered(node, done + 3)
+        await prefills_answered(node, done + 3)
         drain = {"node": node.spec.prefill_url}
         async with http.post(url + "/admin/drain", json=drain) as r:
             assert r.status == 200, await r.text()
         seen = _p_requests(node)
         for i in range(3):  # new work goes to D alone meanwhile
-            status, text, _ = await _ask(url, _body(i))
+            status, text, _ = await timed_ask(url, _body(i))
             assert (status, text) == (200, expected[i])
         assert _p_requests(node) == seen  # P got nothing new
         for status, text, _ in await asyncio.gather(*asks):
             assert (status, text) == (200, long_want)  # what it had, finished
         async with http.post(url + "/admin/undrain", json=drain) as r:
             assert r.status == 200
-    await _in_rotation(node, "prefill")
-    status, text, _ = await _ask(url, _body(0))
+    await in_rotation(node, "prefill")
+    status, text, _ = await timed_ask(url, _body(0))
     assert (status, text) == (200, expected[0]) and _p_requests(node) > seen
     await wait_no_blocks_held(node, within=60)
 
@@ -139,7 +145,7 @@ async def test_drained_prefill_finishes_its_work_and_gets_nothing_new(node, plai
 async def test_sigterm_to_the_proxy_loses_no_started_request(node, plain_server):
     long_body, long_want = await _long(plain_server, 5)
     assert node.proxy is not None
-    asks = [asyncio.create_task(_ask(node.spec.proxy_url, {**long_body, "stream": s}))
+    asks = [asyncio.create_task(timed_ask(node.spec.proxy_url, {**long_body, "stream": s}))
             for s in (False, True, False, True)]
     await asyncio.sleep(1.0)  # started: P asked, or D streaming
     node.proxy.proc.send_signal(signal.SIGTERM)
@@ -147,16 +153,16 @@ async def test_sigterm_to_the_proxy_loses_no_started_request(node, plain_server)
         assert (status, text) == (200, long_want)
     assert await asyncio.to_thread(node.proxy.proc.wait, 20) == 0
     await _restart(node.proxy)
-    await _in_rotation(node, "prefill")
+    await in_rotation(node, "prefill")
     await wait_no_blocks_held(node, within=60)
 
 
 async def test_proxy_killed_mid_request_orphans_nothing(node, plain_server):
     expected = await _expected(plain_server, range(2))
-    done = await _metric(node, "pd_proxy_prefill_seconds_count")
-    asks = [asyncio.create_task(_ask(node.spec.proxy_url, _body(i, i % 2 == 1, 200)))
+    done = metric(node.spec.proxy_url, "pd_proxy_prefill_seconds_count")
+    asks = [asyncio.create_task(timed_ask(node.spec.proxy_url, _body(i, i % 2 == 1, 200)))
             for i in range(8)]
-    await _prefills_answered(node, done + 4)
+    await prefills_answered(node, done + 4)
     assert node.proxy is not None
     _kill(node.proxy)
     # Each client is cut off (or was just answered): none is left hanging.
@@ -166,7 +172,7 @@ async def test_proxy_killed_mid_request_orphans_nothing(node, plain_server):
     # and D's connector releases what P held for them; the rest P frees at send_timeout_s.
     await wait_no_blocks_held(node, within=45)
     await _restart(node.proxy)
-    await _in_rotation(node, "prefill")
+    await in_rotation(node, "prefill")
     for i in range(2):
         await served_from_p(node, _body(i), expected[i])
 
@@ -189,10 +195,10 @@ async def test_decode_killed_mid_stream(node, plain_server):
     events = [json.loads(ln[6:]) for ln in lines if ln.startswith(b"data: {")]
     assert "error" in events[-1]  # the stream said it failed, and ended
     print(f"P free {await _p_usage_zero(node, within=10):.1f} s after D was killed")
-    status, _, took = await _ask(node.spec.proxy_url, _body(0))
+    status, _, took = await timed_ask(node.spec.proxy_url, _body(0))
     assert status >= 500 and took < BOUND_S  # at once, not a hang
     await _restart(node.decode)
-    await _in_rotation(node, "decode", within=60)
+    await in_rotation(node, "decode", within=60)
     await served_from_p(node, _body(0), expected[0])  # a new D, the same P
     await wait_no_blocks_held(node, within=60)
 
@@ -208,15 +214,15 @@ async def test_decode_stalled_past_the_read_timeout(node, plain_server, tmp_path
         pgid = node.decode.proc.pid
         os.killpg(pgid, signal.SIGSTOP)
         try:
-            results = await asyncio.gather(_ask(url, _body(1)), _ask(url, _body(2, True)))
+            results = await asyncio.gather(timed_ask(url, _body(1)), timed_ask(url, _body(2, True)))
         finally:
             os.killpg(pgid, signal.SIGCONT)
         for status, text, took in results:
             assert status >= 500, text[:300]  # 504, or a stream's error event
             assert took < BOUND_S
         await wait_no_blocks_held(node, within=60)
-        await _in_rotation(node, "decode")
-        status, text, _ = await _ask(url, _body(0))
+        await in_rotation(node, "decode")
+        status, text, _ = await timed_ask(url, _body(0))
         assert (status, text) == (200, expected[0])
     finally:
         proxy.stop()

@@ -21,7 +21,7 @@ from tests.e2e.conftest import (
     text_of,
     token_prompt,
 )
-from tests.e2e.test_pd_parity import wait_no_blocks_held
+from tests.e2e.observe import wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
 

@@ -146,8 +146,7 @@ async def test_link_cut_while_transfers_run_and_restored(two_hosts, plain_server
     dev = "v" + h.ns_d.split("-")[1] + "b"  # D's end of the veth pair
     out = h.run_driver("tests.e2e.link_cut_driver", {
         "proxy": f"http://{h.ip_d}:8000", "dev": dev, "prompts": prompts, "timeout": 300,
-        "prefill": f"http://{h.ip_p}:8010", "decode": f"http://{h.ip_d}:8020",
-        "api_key": keys.read(h.keys.api_key)})
+        "prefill": f"http://{h.ip_p}:8010", "decode": f"http://{h.ip_d}:8020"})
     assert isinstance(out, dict)
     print(f"link cut: answered in {out['cut_s']:.1f} s, {out['moved']:.0f} asked again alone;"
           f" restored: P in rotation after {out['recovered_s']:.1f} s, blocks free after "

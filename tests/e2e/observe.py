@@ -1,0 +1,84 @@
+"""What the e2e tests read off a running node: Prometheus series of vLLM and of the proxy,
+whether nodes are in the proxy's rotation, whether blocks are held, whether D really used
+P's KV for a request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import aiohttp
+
+from tests.e2e.conftest import ask
+
+
+def metric(base: str, series: str) -> float:
+    """The sum of a series at `base`/metrics: a family name sums over its labels, a name
+    with labels (`x_total{reason="y"}`) is that one series; absent is 0."""
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(series + "{") or line.startswith(series + " "))
+
+
+def kv_usage(base: str) -> float:
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:kv_cache_usage_perc")]
+    assert values, "vllm:kv_cache_usage_perc not exported"
+    return max(values)
+
+
+async def wait_no_blocks_held(node, within: float = 30) -> None:
+    """Until neither P nor D holds a KV block; fails after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        usage = (kv_usage(node.spec.prefill_url), kv_usage(node.spec.decode_url))
+        if usage == (0.0, 0.0):
+            return
+        assert time.monotonic() < deadline, f"blocks still held: P, D usage = {usage}"
+        await asyncio.sleep(0.2)
+
+
+async def in_rotation(node, role: str, within: float = 30) -> None:
+    """Until every `role` node is in the proxy's rotation."""
+    deadline = time.monotonic() + within
+    while True:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(node.spec.proxy_url + "/status") as r:
+                status = await r.json()
+        if all(b["in_rotation"] for b in status[role]):
+            return
+        assert time.monotonic() < deadline, f"{role} not back in rotation: {status}"
+        await asyncio.sleep(0.3)
+
+
+async def prefills_answered(node, n: float, within: float = 60) -> None:
+    """Until the proxy has had n prefill answers in all (the transfers then under way)."""
+    deadline = time.monotonic() + within
+    while metric(node.spec.proxy_url, "pd_proxy_prefill_seconds_count") < n:
+        assert time.monotonic() < deadline, "P did not answer in time"
+        await asyncio.sleep(0.05)
+
+
+async def timed_ask(url: str, body: dict) -> tuple[int, str, float]:
+    """(status, text or error body, seconds) of one completion (conftest.ask)."""
+    started = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        status, text = await ask(http, url, body)
+    return status, text, time.monotonic() - started
+
+
+async def served_from_p(node, body: dict, want: str, bound_s: float = 15) -> None:
+    """The proxy split it (no fallback of any reason) and D received P's KV for it (no
+    recompute, no stale peer), with a plain server's output, within `bound_s`."""
+    fallbacks = metric(node.spec.proxy_url, "pd_proxy_prefill_fallbacks_total")
+    received = metric(node.spec.decode_url, "vllm:pd_kv_received_total")
+    status, text, took = await timed_ask(node.spec.proxy_url, body)
+    assert (status, text) == (200, want)
+    assert took < bound_s
+    assert metric(node.spec.proxy_url, "pd_proxy_prefill_fallbacks_total") == fallbacks
+    deadline = time.monotonic() + 10  # D's stats reach /metrics with its next step
+    while metric(node.spec.decode_url, "vllm:pd_kv_received_total") <= received:
+        assert time.monotonic() < deadline, "D did not receive P's KV"
+        await asyncio.sleep(0.2)
