@@ -14,6 +14,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
+from appliance.pdctl import clustercmd
 from appliance.pdctl import config as cfgmod
 from appliance.pdctl.clibase import (
     Env,
@@ -68,13 +69,27 @@ def validate(ctx: click.Context, config_path: Path | None, skip_host_checks: boo
               help="directory to write into (default: the config's directory)")
 @click.option("--skip-host-checks", is_flag=True,
               help="render a config meant for another host")
+@click.option("--cluster", "cluster_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="a cluster description: write each host's config (and the shared keys) "
+                   "into --out/<host>/ (default --out: beside FILE, named after it)")
+@click.option("--kubernetes", is_flag=True,
+              help="with --cluster: also the Helm chart's values.yaml for the same cluster")
 @click.pass_context
 def render(ctx: click.Context, config_path: Path | None, out_dir: Path | None,
-           skip_host_checks: bool) -> None:
-    """Write the compose env file, compose.yaml and the systemd unit."""
+           skip_host_checks: bool, cluster_path: Path | None, kubernetes: bool) -> None:
+    """Write the compose env file, compose.yaml and the systemd unit (or, with --cluster,
+    every host's config)."""
     from appliance.pdctl.render import render as do_render
 
     env = env_of(ctx)
+    if cluster_path is not None:
+        if config_path is not None:
+            raise PdctlError("--cluster renders every host of a description: give it "
+                             "without --config", USAGE)
+        clustercmd.render(env, cluster_path, out_dir, kubernetes)
+        return
+    if kubernetes:
+        raise PdctlError("--kubernetes needs --cluster FILE (the cluster to describe)", USAGE)
     cfg, path = load_host_config(config_path, env, not skip_host_checks)
     written = do_render(cfg, path, out_dir or path.parent)
     for f in written:
@@ -177,8 +192,7 @@ def down(ctx: click.Context, config_path: Path | None, local: bool,
 
 
 @cli.command()
-@click.argument("service", required=False,
-                type=click.Choice(["bootstrap", "prefill", "decode", "proxy"]))
+@click.argument("service", required=False)
 @config_option
 @click.option("--local", "local", is_flag=True, help="logs of the --local node")
 @run_dir_option
@@ -188,12 +202,19 @@ def down(ctx: click.Context, config_path: Path | None, local: bool,
 @click.pass_context
 def logs(ctx: click.Context, service: str | None, config_path: Path | None, local: bool,
          run_dir: Path | None, follow: bool, tail: int) -> None:
-    """Print a service's log (every service's when SERVICE is left out)."""
+    """Print a service's log (every service's when SERVICE is left out): bootstrap, prefill,
+    decode, proxy; on a cluster host prefill-0, decode-1, ... as it runs them."""
+    from appliance.pdctl.clustercompose import service_names
     from appliance.pdctl.status import SERVICES
 
     if follow and service is None:
         raise click.UsageError("--follow needs a SERVICE")
-    names = [service] if service else list(SERVICES)
+    cfg = None if local else load_host_config(config_path, env_of(ctx), host_checks=False)[0]
+    known = SERVICES if cfg is None else service_names(cfg)
+    if service is not None and service not in known:
+        raise click.UsageError(f"no service {service!r} here (this node runs: "
+                               f"{', '.join(known)})")
+    names = [service] if service else list(known)
     if local:
         from appliance.pdctl.local import default_run_dir, follow_file
 
@@ -208,7 +229,7 @@ def logs(ctx: click.Context, service: str | None, config_path: Path | None, loca
         return
     from appliance.pdctl.dockerapi import DockerApi
 
-    cfg, _path = load_host_config(config_path, env_of(ctx), host_checks=False)
+    assert cfg is not None
     api = DockerApi.connect()
     for name in names:
         if len(names) > 1:
@@ -240,7 +261,7 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
         if local or config_path is not None:
             raise PdctlError("--cluster reports on a whole cluster: give it alone, without "
                              "--local or --config", USAGE)
-        _cluster_status(ctx, cluster_path, as_json)
+        clustercmd.status(ctx, cluster_path, as_json)
         return
     run_dir = run_dir or default_run_dir()
     state = LocalState.load(run_dir) if (local or config_path is None) else None
@@ -257,6 +278,9 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
         from appliance.pdctl.dockerapi import DockerApi, DockerUnavailable
 
         cfg, path = load_host_config(config_path, env, host_checks=False)
+        if cfg.cluster is not None:
+            clustercmd.host_status(ctx, cfg, as_json)
+            return
         from appliance.pdctl.render import bootstrap_token_file, local_addr
 
         base = f"http://{cfg.host.ip}"  # P, D and the sidecar listen on the internal address
@@ -286,18 +310,6 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
     else:
         st.render_table(node, env.out)
     ctx.exit(0 if node.healthy else RUNTIME)
-
-
-def _cluster_status(ctx: click.Context, path: Path, as_json: bool) -> None:
-    from appliance.pdctl import clusterstatus
-    from appliance.pdctl.cluster import load_cluster
-
-    status = clusterstatus.gather(load_cluster(path).plan())
-    if as_json:
-        click.echo(json.dumps(status.as_dict(), indent=1))
-    else:
-        clusterstatus.render_table(status, env_of(ctx).out)
-    ctx.exit(0 if status.healthy else RUNTIME)
 
 
 def _read_quietly(path: Path) -> str | None:

@@ -16,9 +16,10 @@ sidecars each D must accept bootstraps from.
     prefill = [[0], [1]]     # one list per P instance: its GPUs (TP of them)
     decode = [[2]]
 
-Instance i of a role on a host listens on `ports.<role> + i`; a host with a P runs one
-sidecar on `ports.bootstrap`. Problems come one line each (`parse_cluster`). Bringing the
-plan up on each host (`pdctl render --cluster`) builds on this.
+Instance i of a role on a host listens on `ports.<role> + i`; P instance i has its own
+sidecar on `ports.bootstrap + i`. Problems come one line each (`parse_cluster`).
+`host_config(name)` is each host's own config (appliance.pdctl.clusterrender writes them);
+`pdctl up` there brings up its part.
 """
 
 from __future__ import annotations
@@ -27,18 +28,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from appliance.netaddr import host_port
 from appliance.pdctl.config import (
+    ClusterPart,
+    ComposeSection,
+    HostConfig,
     HostSection,
+    ImagesSection,
     ModelSection,
     PortsSection,
     Stack,
+    TimeoutsSection,
     TransferSection,
     load_validated,
     validated,
 )
+from appliance.pdctl.errors import ConfigError
 from appliance.pdctl.sections import _Section
 
 Role = Literal["prefill", "decode"]
@@ -72,6 +79,41 @@ class ClusterDescription(_Section):
     hosts: list[ClusterHost] = Field(min_length=1)
     ports: PortsSection = Field(default_factory=PortsSection)
     transfer: TransferSection = Field(default_factory=TransferSection)
+    # Carried into every host's config as they are.
+    timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
+    images: ImagesSection = Field(default_factory=ImagesSection)
+    compose: ComposeSection = Field(default_factory=ComposeSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cpu_moves_kv_over_tcp(cls, data: Any) -> Any:
+        # The CPU build has one transport: say so once here rather than on every host.
+        if isinstance(data, dict) and data.get("stack") == "cpu":
+            transfer = data.get("transfer")
+            if transfer is None or (isinstance(transfer, dict) and "protocol" not in transfer):
+                data = {**data, "transfer": {**(transfer or {}), "protocol": "tcp"}}
+        return data
+
+    def host_config(self, name: str, source: str = "") -> HostConfig:
+        """The host config of one host: its instances, and where it runs the proxy, the
+        proxy's backends; every D accepts every P host's sidecar."""
+        h = next(h for h in self.hosts if h.name == name)
+        plan = self.plan()
+        here = h.name == self.proxy.host
+        part = ClusterPart(
+            cluster=source, prefill=h.prefill, decode=h.decode, proxy=here,
+            policy=self.proxy.policy,
+            prefill_backends=[f"{p.url},{p.bootstrap_url}" for p in plan.of("prefill")]
+            if here else [],
+            decode_backends=[d.url for d in plan.of("decode")] if here else [],
+            sidecars=plan.sidecars if h.decode else [])
+        return validated(HostConfig, {
+            "stack": self.stack, "host": h.model_dump(include=set(HostSection.model_fields)),
+            "model": self.model.model_dump(exclude_none=True),
+            "transfer": self.transfer.model_dump(), "ports": self.ports.model_dump(),
+            "timeouts": self.timeouts.model_dump(),
+            "images": self.images.model_dump(exclude_none=True),
+            "compose": self.compose.model_dump(), "cluster": part.model_dump()})
 
     def problems(self) -> list[str]:
         """Cross-field problems, one line each."""
@@ -94,6 +136,12 @@ class ClusterDescription(_Section):
         if self.proxy.host not in names:
             out.append(f"proxy.host: {self.proxy.host} is not one of the hosts "
                        f"({', '.join(names)})")
+        if not out:  # each host's own config must hold too (what `pdctl up` there checks)
+            for i, h in enumerate(self.hosts):
+                try:
+                    self.host_config(h.name)
+                except ConfigError as exc:
+                    out += [f"hosts[{i}] ({h.name}): {line}" for line in exc.lines]
         return out
 
     def _device_problems(self, i: int, h: ClusterHost) -> list[str]:
@@ -121,20 +169,23 @@ class ClusterDescription(_Section):
 
     def _port_problems(self, i: int, h: ClusterHost) -> list[str]:
         used: dict[int, str] = {}
-        if h.prefill:
-            used[self.ports.bootstrap] = "the bootstrap sidecar"
         if h.name == self.proxy.host:
-            used.setdefault(self.ports.proxy, "the proxy")
+            used[self.ports.proxy] = "the proxy"
         out = []
-        for role in ROLES:
-            for n in range(len(getattr(h, role))):
-                port = getattr(self.ports, role) + n
+        # P instance n has its own sidecar on ports.bootstrap + n (a sidecar holds one
+        # engine per dp rank, as vLLM's bootstrap server does).
+        for port_of, role, count in (("prefill", "prefill", len(h.prefill)),
+                                     ("decode", "decode", len(h.decode)),
+                                     ("bootstrap", "prefill", len(h.prefill))):
+            for n in range(count):
+                port = getattr(self.ports, port_of) + n
+                what = f"{role}[{n}]" + ("'s sidecar" if port_of == "bootstrap" else "")
                 if port in used:
                     out.append(f"hosts[{i}].{role}[{n}]: port {port} is also {used[port]}'s "
-                               f"(instance i listens on ports.{role} + i: set the ports "
+                               f"(instance i listens on ports.{port_of} + i: set the ports "
                                f"further apart)")
                 else:
-                    used[port] = f"{role}[{n}]"
+                    used[port] = what
         return out
 
     def plan(self) -> ClusterPlan:
@@ -146,7 +197,7 @@ class ClusterDescription(_Section):
                         host=h.name, role=role, index=n, devices=tuple(devices),
                         url=f"http://{host_port(h.ip, getattr(self.ports, role) + n)}",
                         engine_id=f"{h.name}-{role}-{n}",
-                        bootstrap_url=(f"http://{host_port(h.ip, self.ports.bootstrap)}"
+                        bootstrap_url=(f"http://{host_port(h.ip, self.ports.bootstrap + n)}"
                                        if role == "prefill" else None)))
         proxy_host = next(h for h in self.hosts if h.name == self.proxy.host)
         return ClusterPlan(tuple(instances),
@@ -168,7 +219,7 @@ class Instance:
 @dataclass(frozen=True)
 class ClusterPlan:
     instances: tuple[Instance, ...]
-    proxy_url: str
+    proxy_url: str | None  # None: a host's own plan, the proxy elsewhere
     proxy_host: str
     policy: str
 
@@ -177,7 +228,7 @@ class ClusterPlan:
 
     @property
     def sidecars(self) -> list[str]:
-        """Every host's bootstrap sidecar (hosts with a P): what each D must accept."""
+        """Every P's bootstrap sidecar: what each D must accept."""
         return sorted({i.bootstrap_url for i in self.of("prefill") if i.bootstrap_url})
 
     def proxy_args(self) -> list[str]:
@@ -188,6 +239,24 @@ class ClusterPlan:
         for d in self.of("decode"):
             args += ["--decode", d.url]
         return args
+
+
+def host_plan(cfg: HostConfig) -> ClusterPlan:
+    """What one cluster host runs (its config's [cluster] part), as the cluster plan names
+    it: `pdctl status` there reports on these."""
+    assert cfg.cluster is not None
+    instances = []
+    for role in ROLES:
+        for n, devices in enumerate(cfg.instances(role)):
+            instances.append(Instance(
+                host=cfg.host.name, role=role, index=n, devices=tuple(devices),
+                url=f"http://{host_port(cfg.host.ip, getattr(cfg.ports, role) + n)}",
+                engine_id=f"{cfg.host.name}-{role}-{n}",
+                bootstrap_url=(f"http://{host_port(cfg.host.ip, cfg.ports.bootstrap + n)}"
+                               if role == "prefill" else None)))
+    proxy = (f"http://{host_port(cfg.host.ip, cfg.ports.proxy)}" if cfg.cluster.proxy
+             else None)
+    return ClusterPlan(tuple(instances), proxy, cfg.host.name, cfg.cluster.policy)
 
 
 def load_cluster(path: Path) -> ClusterDescription:

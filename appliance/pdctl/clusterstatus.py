@@ -57,10 +57,12 @@ def gather(plan: ClusterPlan, headers: Mapping[str, str] | None = None,
         host = next(i.host for i in plan.of("prefill") if i.bootstrap_url == url)
         ok, why = _health(fetch(f"{url}/health", timeout))
         members.append(Member(f"{host}/bootstrap", url, "", ok, why))
+    status = ClusterStatus(members)
+    if plan.proxy_url is None:  # a host without the proxy: nothing to ask about rotation
+        return status
     reply = fetch(f"{plan.proxy_url}/status", timeout, headers)
     ok, why = _health(reply)
     members.append(Member(f"{plan.proxy_host}/proxy", plan.proxy_url, "", ok, why))
-    status = ClusterStatus(members)
     answer = reply.json() if ok else None
     if not isinstance(answer, dict):
         return status
@@ -74,6 +76,19 @@ def gather(plan: ClusterPlan, headers: Mapping[str, str] | None = None,
             status.problems.append(f"{m.name}: the proxy does not list {m.url} (render its "
                                    f"backends from this description)")
     return status
+
+
+def add_containers(status: ClusterStatus, states: Mapping[str, Any],
+                   services: tuple[str, ...]) -> None:
+    """A cluster host's compose services: one problem per container not running healthy."""
+    for name in services:
+        c = states.get(name)
+        if c is None:
+            status.problems.append(f"{name}: no container (run `pdctl up` on this host)")
+        elif not c.ok:
+            status.problems.append(f"{name}: container {c.state}"
+                                   f"{f', {c.health}' if c.health else ''}, {c.restarts} "
+                                   f"restarts (`pdctl logs {name}`)")
 
 
 def render_table(status: ClusterStatus, console: Console) -> None:

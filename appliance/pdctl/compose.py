@@ -12,12 +12,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from appliance.pdctl.clustercompose import service_names
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.dockerapi import ContainerState, DockerApi
 from appliance.pdctl.errors import PdctlError
 from appliance.pdctl.render import compose_argv
 from appliance.pdctl.runner import Runner
-from appliance.pdctl.status import SERVICES
 
 PULL_AND_CREATE_TIMEOUT = 3600.0  # first start pulls multi-GB images
 
@@ -33,12 +33,12 @@ def _run_compose(cfg: HostConfig, out_dir: Path, runner: Runner, args: list[str]
         raise PdctlError(f"docker compose {what} failed: {res.reason()}", detail=tail)
 
 
-def _table(states: dict[str, ContainerState], elapsed: float) -> Table:
+def _table(states: dict[str, ContainerState], elapsed: float, names: tuple[str, ...]) -> Table:
     table = Table(title=f"waiting for the node to be healthy ({elapsed:.0f} s)",
                   title_justify="left")
     for col in ("service", "container", "state", "health", "restarts"):
         table.add_column(col)
-    for name in SERVICES:
+    for name in names:
         c = states.get(name)
         if c is None:
             table.add_row(name, "-", "not created", "-", "-")
@@ -48,7 +48,7 @@ def _table(states: dict[str, ContainerState], elapsed: float) -> Table:
 
 
 def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
-                 poll: float = 2.0, begin: float | None = None,
+                 names: tuple[str, ...], poll: float = 2.0, begin: float | None = None,
                  timings: dict[str, float] | None = None,
                  failed: Callable[[], BaseException | None] = lambda: None,
                  ) -> dict[str, ContainerState]:
@@ -58,30 +58,30 @@ def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
     begin = time.monotonic() if begin is None else begin
     timings = {} if timings is None else timings
     states: dict[str, ContainerState] = {}
-    with Live(_table(states, 0), console=console, refresh_per_second=2,
+    with Live(_table(states, 0, names), console=console, refresh_per_second=2,
               transient=True) as live:
         while True:
             states = api.project(project)
             elapsed = time.monotonic() - begin
-            for name in SERVICES:
+            for name in names:
                 if name not in timings and name in states and states[name].ok:
                     timings[name] = elapsed
-            live.update(_table(states, elapsed))
+            live.update(_table(states, elapsed, names))
             error = failed()
             if error is not None:
                 raise error
-            if all(name in states and states[name].ok for name in SERVICES):
-                console.print(_table(states, elapsed))
+            if all(name in states and states[name].ok for name in names):
+                console.print(_table(states, elapsed, names))
                 return states
             for name, c in states.items():
                 if c.state in ("exited", "dead") or c.health == "unhealthy":
-                    console.print(_table(states, elapsed))
+                    console.print(_table(states, elapsed, names))
                     raise PdctlError(f"{name} is {c.health or c.state}"
                                      f"{f' (exit code {c.exit_code})' if c.exit_code else ''}; "
                                      f"see `pdctl logs {name}`")
             if elapsed > timeout:
-                console.print(_table(states, elapsed))
-                late = [n for n in SERVICES if n not in states or not states[n].ok]
+                console.print(_table(states, elapsed, names))
+                late = [n for n in names if n not in states or not states[n].ok]
                 raise PdctlError(f"not healthy after {timeout:.0f} s: {', '.join(late)}; see "
                                  f"`pdctl logs {late[0]}`")
             time.sleep(poll)
@@ -120,8 +120,9 @@ def compose_up(cfg: HostConfig, out_dir: Path, runner: Runner, console: Console,
         if errors:
             raise errors[0] from None
         raise
-    wait_healthy(api, cfg.compose.project, timeout or cfg.timeouts.startup_s, console, poll,
-                 begin, timings, failed=lambda: errors[0] if errors else None)
+    wait_healthy(api, cfg.compose.project, timeout or cfg.timeouts.startup_s, console,
+                 service_names(cfg), poll, begin, timings,
+                 failed=lambda: errors[0] if errors else None)
     thread.join(PULL_AND_CREATE_TIMEOUT)
     if errors:
         raise errors[0]

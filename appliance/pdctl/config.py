@@ -179,6 +179,47 @@ class CpusSection(_Section):
         return sorted(_once_each(v, "CPU"))
 
 
+Devices = list[Annotated[int, Field(ge=0)]]
+
+
+class ClusterPart(_Section):
+    """This host's part of a cluster: `pdctl render --cluster` writes it from the cluster
+    description (edit that, not this). Absent: the host is a 1P1D node (gpus / cpus)."""
+
+    cluster: str = ""  # the description it came from, for the reader
+    # One device list (GPUs, or CPUs on stack "cpu") per instance; instance i listens on
+    # ports.<role> + i and has engine id `<host.name>-<role>-<i>`; P instance i has its own
+    # bootstrap sidecar on ports.bootstrap + i.
+    prefill: list[Devices] = Field(default_factory=list)
+    decode: list[Devices] = Field(default_factory=list)
+    proxy: bool = False  # the proxy runs here
+    policy: Literal["round_robin", "least_outstanding"] = "round_robin"
+    # The proxy's backends (where it runs): P as "URL,BOOTSTRAP_URL", D as "URL".
+    prefill_backends: list[str] = Field(default_factory=list)
+    decode_backends: list[str] = Field(default_factory=list)
+    # The sidecars this host's D instances accept bootstraps from (every host's with a P).
+    sidecars: list[str] = Field(default_factory=list)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _nonempty(cls, v: list[Devices]) -> list[Devices]:
+        if any(not devices for devices in v):
+            raise ValueError("each instance needs at least one GPU (or CPU)")
+        return v
+
+    def problems(self) -> list[str]:
+        out = []
+        if not (self.prefill or self.decode or self.proxy):
+            out.append("cluster: this host runs nothing (no prefill, decode or proxy)")
+        if self.proxy and not (self.prefill_backends and self.decode_backends):
+            out.append("cluster.prefill_backends / decode_backends: the proxy runs here and "
+                       "needs both (render the host configs from the cluster description)")
+        if self.decode and not self.sidecars:
+            out.append("cluster.sidecars: decode runs here and must know which bootstrap "
+                       "sidecars to accept")
+        return out
+
+
 class HostConfig(_Section):
     stack: Stack = "gpu"
     host: HostSection
@@ -192,6 +233,21 @@ class HostConfig(_Section):
     tls: TlsSection = Field(default_factory=TlsSection)
     images: ImagesSection = Field(default_factory=ImagesSection)
     compose: ComposeSection = Field(default_factory=ComposeSection)
+    cluster: ClusterPart | None = None
+
+    def instances(self, role: str) -> list[list[int]]:
+        """The device list of each `role` instance this host runs (a 1P1D node: one each)."""
+        if self.cluster is not None:
+            return getattr(self.cluster, role)
+        return [getattr(self.cpus if self.stack == "cpu" else self.gpus, role)]
+
+    def device_fields(self) -> list[tuple[str, list[int]]]:
+        """(field, devices) of every instance this host runs, as problems name them."""
+        if self.cluster is not None:
+            return [(f"cluster.{role}[{n}]", devices) for role in ("prefill", "decode")
+                    for n, devices in enumerate(getattr(self.cluster, role))]
+        section = "cpus" if self.stack == "cpu" else "gpus"
+        return [(f"{section}.{role}", self.instances(role)[0]) for role in ("prefill", "decode")]
 
     @property
     def block_size(self) -> int:
@@ -222,6 +278,8 @@ class HostConfig(_Section):
             else:
                 seen[port] = name
         out += self._gpu_problems() if self.stack == "gpu" else self._cpu_problems()
+        if self.cluster is not None:
+            out += self.cluster.problems() + self._instance_problems()
         if self.compose.bind not in ("0.0.0.0", "127.0.0.1", self.host.ip):
             out.append(f"compose.bind: {self.compose.bind} must be 0.0.0.0, 127.0.0.1 or "
                        f"host.ip ({self.host.ip})")
@@ -236,8 +294,37 @@ class HostConfig(_Section):
                        "`pdctl init` lists this host's devices)")
         return out
 
+    def _instance_problems(self) -> list[str]:
+        """A cluster host: no device in two instances, each GPU instance TP devices wide."""
+        out: list[str] = []
+        owner: dict[int, str] = {}
+        kind = "GPU" if self.stack == "gpu" else "CPU"
+        ports = {self.ports.proxy: "ports.proxy"}
+        for role in ("prefill", "decode"):
+            for n, devices in enumerate(self.instances(role)):
+                where = f"cluster.{role}[{n}]"
+                if self.stack == "gpu" and len(devices) != self.model.tp(role):
+                    out.append(f"{where}: {len(devices)} GPUs for a {role} TP size of "
+                               f"{self.model.tp(role)}")
+                for dev in devices:
+                    if dev in owner:
+                        out.append(f"{where}: {kind} {dev} is also {owner[dev]}")
+                    owner.setdefault(dev, where)
+                for port_of in (role, "bootstrap") if role == "prefill" else (role,):
+                    port = getattr(self.ports, port_of) + n
+                    if port in ports:
+                        out.append(f"{where}: port {port} (ports.{port_of} + {n}) is also "
+                                   f"{ports[port]}'s")
+                    ports.setdefault(port, where)
+        return out
+
     def _gpu_problems(self) -> list[str]:
         out = []
+        if self.model.kv_cache_bytes is not None:
+            out.append("model.kv_cache_bytes: only for stack \"cpu\" (on GPUs vLLM sizes the "
+                       "KV cache from model.gpu_memory_utilization)")
+        if self.cluster is not None:  # its instances are checked instead of gpus
+            return out
         for gpu in self.gpus.prefill:
             if gpu in self.gpus.decode:
                 out.append(f"gpus.decode: GPU {gpu} is also in gpus.prefill (P and D need "
@@ -247,9 +334,6 @@ class HostConfig(_Section):
             if n != tp:
                 out.append(f"gpus.{role}: {n} GPU{'s' if n != 1 else ''} for a {role} TP "
                            f"size of {tp} (give exactly that many GPUs)")
-        if self.model.kv_cache_bytes is not None:
-            out.append("model.kv_cache_bytes: only for stack \"cpu\" (on GPUs vLLM sizes the "
-                       "KV cache from model.gpu_memory_utilization)")
         return out
 
     def _cpu_problems(self) -> list[str]:
@@ -260,6 +344,8 @@ class HostConfig(_Section):
         if self.block_size % 32:
             out.append(f"model.block_size: {self.block_size} with stack \"cpu\" (the CPU "
                        f"attention backend needs a multiple of 32)")
+        if self.cluster is not None:  # its instances are checked instead of cpus
+            return out
         for role in ("prefill", "decode"):
             if not getattr(self.cpus, role):
                 out.append(f"cpus.{role}: required with stack \"cpu\" (the CPUs {role} runs "

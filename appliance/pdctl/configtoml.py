@@ -23,20 +23,25 @@ def _toml_value(value: Any) -> str:
 
 
 # Written even when they equal the default: the keys an operator looks for first.
+_CLUSTER = ("cluster", "prefill", "decode", "proxy", "prefill_backends", "decode_backends",
+            "sidecars")
 _ALWAYS = {"host": ("name", "ip"), "model": ("path",), "gpus": ("prefill", "decode"),
            "transfer": ("protocol", "device", "gpudirect"),
-           "ports": ("proxy", "prefill", "decode", "bootstrap")}
+           "ports": ("proxy", "prefill", "decode", "bootstrap"), "cluster": _CLUSTER}
 _ALWAYS_CPU = {**_ALWAYS, "gpus": (), "cpus": ("prefill", "decode"), "transfer": ("protocol",)}
+# A cluster host's devices are in [cluster]: the 1P1D sections would only mislead.
+_NOT_IN_CLUSTER = ("gpus", "cpus")
 
 
-def to_toml(cfg: HostConfig) -> str:
+def to_toml(cfg: HostConfig, header: str = _HEADER) -> str:
     """The config as TOML: the main keys, plus every other key that differs from its default."""
     full = cfg.model_dump(exclude_none=True)
     changed = cfg.model_dump(exclude_defaults=True, exclude_none=True)
     always = _ALWAYS_CPU if cfg.stack == "cpu" else _ALWAYS
-    lines = [_HEADER, f"stack = {_toml_value(cfg.stack)}", ""]
+    lines = [header, f"stack = {_toml_value(cfg.stack)}", ""]
     for section in HostConfig.model_fields:
-        if section == "stack":
+        if section == "stack" or section not in full or (
+                cfg.cluster is not None and section in _NOT_IN_CLUSTER):
             continue
         keys = [k for k in full[section]
                 if k in always.get(section, ()) or k in changed.get(section, {})]

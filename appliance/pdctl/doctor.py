@@ -115,27 +115,35 @@ def check_gpus(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
     if cfg is None:
         return out + [_skip("GPU indices", "no host config")]
     have = {g.index for g in gpus}
-    missing = [f"GPU {i} (gpus.{role})" for role in ("prefill", "decode")
-               for i in getattr(cfg.gpus, role) if i not in have]
+    missing = [f"GPU {i} ({where})" for where, devices in cfg.device_fields()
+               for i in devices if i not in have]
     if missing:
         out.append(_fail("GPU indices", f"{', '.join(missing)} does not exist; this host has "
                          f"GPUs {_ranges(sorted(have))}",
                          "set gpus.prefill and gpus.decode to indices nvidia-smi lists"))
     else:
-        out.append(_pass("GPU indices", f"prefill {_ranges(cfg.gpus.prefill)}, decode "
-                         f"{_ranges(cfg.gpus.decode)}"))
+        out.append(_pass("GPU indices", _instances(cfg)))
     return out
 
 
 def check_cpus(cfg: HostConfig, probe: HostProbe) -> Check:
     online = probe.cpus()
-    missing = [f"CPU {c} (cpus.{role})" for role in ("prefill", "decode")
-               for c in getattr(cfg.cpus, role) if c not in online]
+    missing = [f"CPU {c} ({where})" for where, devices in cfg.device_fields()
+               for c in devices if c not in online]
     if missing:
         return _fail("CPUs", f"{', '.join(missing)} not online; online: {_ranges(online)}",
                      "set cpus.prefill and cpus.decode to CPUs of this host, P and D apart")
-    return _pass("CPUs", f"prefill {_ranges(cfg.cpus.prefill)}, decode "
-                 f"{_ranges(cfg.cpus.decode)} ({len(online)} online)")
+    return _pass("CPUs", f"{_instances(cfg)} ({len(online)} online)")
+
+
+def _instances(cfg: HostConfig) -> str:
+    """"prefill 0, decode 1" for a 1P1D node; every instance's devices on a cluster host."""
+    parts = []
+    for role in ("prefill", "decode"):
+        lists = [_ranges(d) for d in cfg.instances(role)]
+        if lists:
+            parts.append(f"{role} {' / '.join(lists)}")
+    return ", ".join(parts)
 
 
 def check_rdma(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:

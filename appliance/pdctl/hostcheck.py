@@ -34,10 +34,10 @@ def _gpu_host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:
     else:
         have = {g.index for g in gpus}
         found = ", ".join(str(i) for i in sorted(have))
-        for role in ("prefill", "decode"):
-            for idx in getattr(cfg.gpus, role):
+        for where, devices in cfg.device_fields():
+            for idx in devices:
                 if idx not in have:
-                    out.append(f"gpus.{role}: GPU {idx} does not exist on this host "
+                    out.append(f"{where}: GPU {idx} does not exist on this host "
                                f"(GPUs: {found})")
     if cfg.transfer.protocol == "rdma" and cfg.transfer.device:
         devices = probe.rdma_devices()
@@ -51,10 +51,10 @@ def _gpu_host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:
 def _cpu_host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:
     have = set(probe.cpus())
     out = []
-    for role in ("prefill", "decode"):
-        missing = [c for c in getattr(cfg.cpus, role) if c not in have]
+    for where, devices in cfg.device_fields():
+        missing = [c for c in devices if c not in have]
         if missing:
-            out.append(f"cpus.{role}: CPU {missing[0]} is not online on this host (online: "
+            out.append(f"{where}: CPU {missing[0]} is not online on this host (online: "
                        f"{', '.join(map(str, sorted(have)))})")
     return out
 

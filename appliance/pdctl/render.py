@@ -14,6 +14,8 @@ from pathlib import Path
 
 import appliance
 from appliance import keys, kvbudget
+from appliance.netaddr import host_port
+from appliance.pdctl import clustercompose
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.errors import ConfigError, PdctlError
 
@@ -64,6 +66,27 @@ def proxy_args(cfg: HostConfig, out_dir: Path) -> list[str]:
     if cfg.tls.cert_file and cfg.tls.key_file:
         args += ["--tls-cert-file", cfg.tls.cert_file, "--tls-key-file", cfg.tls.key_file]
     return args
+
+
+def proxy_backends(cfg: HostConfig) -> list[str]:
+    """The proxy's P and D: this node's own, or a cluster's as its description says."""
+    if cfg.cluster is not None:
+        args = ["--policy", cfg.cluster.policy]
+        for p in cfg.cluster.prefill_backends:
+            args += ["--prefill", p]
+        for d in cfg.cluster.decode_backends:
+            args += ["--decode", d]
+        return args
+    ip = host_port(cfg.host.ip, cfg.ports.prefill)
+    return ["--prefill", f"http://{ip},http://{host_port(cfg.host.ip, cfg.ports.bootstrap)}",
+            "--decode", f"http://{host_port(cfg.host.ip, cfg.ports.decode)}"]
+
+
+def allowed_bootstraps(cfg: HostConfig) -> list[str]:
+    """The sidecars D accepts bootstraps from: its own node's, or every one of a cluster's."""
+    if cfg.cluster is not None:
+        return list(cfg.cluster.sidecars)
+    return [f"http://{host_port(cfg.host.ip, cfg.ports.bootstrap)}"]
 
 
 def kv_cache_bytes(cfg: HostConfig) -> int:
@@ -133,6 +156,9 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_PREFILL_ARGS": shlex.join([*common, *m.prefill_extra_args]),
         "PD_DECODE_ARGS": shlex.join([*common, *m.decode_extra_args]),
         "PD_PROXY_ARGS": shlex.join(proxy_args(cfg, out_dir)),
+        "PD_PROXY_BACKENDS": shlex.join(proxy_backends(cfg)),
+        "PD_ALLOWED_BOOTSTRAPS": json.dumps(allowed_bootstraps(cfg)),
+        **clustercompose.instance_env(cfg),
     }
 
 
@@ -195,6 +221,17 @@ WantedBy=multi-user.target
 """
 
 
+def compose_text(cfg: HostConfig) -> str:
+    """compose.yaml as shipped for a 1P1D node; a cluster host's services from it."""
+    text = repo_file(COMPOSE_FILE).read_text()
+    return text if cfg.cluster is None else clustercompose.host_compose(cfg, text)
+
+
+def override_text(cfg: HostConfig) -> str:
+    text = repo_file(CPU_COMPOSE_FILE).read_text()
+    return text if cfg.cluster is None else clustercompose.host_override(cfg, text)
+
+
 def read_api_keys(path: Path) -> list[str]:
     keys = [line.strip() for line in path.read_text().splitlines()]
     return [k for k in keys if k and not k.startswith("#")]
@@ -246,10 +283,10 @@ def render(cfg: HostConfig, config_path: Path, out_dir: Path) -> list[Path]:
                    f"[proxy]\napi_keys = [{listed}]\n", 0o600)
             written.append(out_dir / PROXY_FILE)
         _write(out_dir / ENV_FILE, env_file_text(cfg, out_dir, config_path))
-        _write(out_dir / COMPOSE_FILE, repo_file(COMPOSE_FILE).read_text())
+        _write(out_dir / COMPOSE_FILE, compose_text(cfg))
         written += [out_dir / ENV_FILE, out_dir / COMPOSE_FILE]
         if cfg.stack == "cpu":
-            _write(out_dir / OVERRIDE_FILE, repo_file(CPU_COMPOSE_FILE).read_text())
+            _write(out_dir / OVERRIDE_FILE, override_text(cfg))
             written.append(out_dir / OVERRIDE_FILE)
         else:  # compose would read one left from a CPU-stack render
             (out_dir / OVERRIDE_FILE).unlink(missing_ok=True)

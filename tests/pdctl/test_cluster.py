@@ -13,8 +13,10 @@ from appliance.proxy.settings import load_settings
 
 
 def _desc(*hosts: dict[str, Any], **top: Any) -> dict[str, Any]:
+    transfer = {} if top.get("stack") == "cpu" else {"protocol": "rdma", "device": "mlx5_0"}
     return {"model": {"path": "/models/m", **top.pop("model", {})},
-            "proxy": top.pop("proxy", {"host": "a"}), "hosts": list(hosts), **top}
+            "proxy": top.pop("proxy", {"host": "a"}), "hosts": list(hosts),
+            "transfer": top.pop("transfer", transfer), **top}
 
 
 def _problems(data: dict[str, Any]) -> list[str]:
@@ -42,13 +44,14 @@ def test_2p1d_across_hosts_and_the_proxys_backends() -> None:
     assert [p.url for p in plan.of("prefill")] == ["http://10.0.0.1:8010",
                                                     "http://10.0.0.1:8011"]
     assert plan.of("prefill", "b") == [] and len(plan.of("decode", "b")) == 1
-    assert plan.sidecars == ["http://10.0.0.1:8998"]  # one per host with a P
+    # each P its own sidecar (one engine per dp rank, as vLLM's bootstrap server)
+    assert plan.sidecars == ["http://10.0.0.1:8998", "http://10.0.0.1:8999"]
     assert plan.proxy_url == "http://10.0.0.2:8000"
     # the proxy's own command line takes them as they are
     settings = load_settings(plan.proxy_args())
     assert [(n.url, n.bootstrap_url) for n in settings.prefill] == [
         ("http://10.0.0.1:8010", "http://10.0.0.1:8998"),
-        ("http://10.0.0.1:8011", "http://10.0.0.1:8998")]
+        ("http://10.0.0.1:8011", "http://10.0.0.1:8999")]
     assert [n.url for n in settings.decode] == ["http://10.0.0.2:8020"]
     assert settings.policy == "least_outstanding"
 

@@ -1,0 +1,62 @@
+"""pdctl's cluster commands: `render --cluster` (every host's config) and `status --cluster`
+(the whole cluster)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from appliance.pdctl.clibase import Env, env_of
+from appliance.pdctl.config import HostConfig
+from appliance.pdctl.errors import RUNTIME
+
+
+def render(env: Env, path: Path, out_dir: Path | None, kubernetes: bool) -> None:
+    from appliance.pdctl.cluster import load_cluster
+    from appliance.pdctl.clusterrender import render_cluster
+
+    desc = load_cluster(path)
+    out = out_dir or path.parent / path.stem
+    for f in render_cluster(desc, path.resolve(), out, kubernetes):
+        env.out.print(f"pdctl: wrote {f}")
+    for h in desc.hosts:
+        roles = ", ".join(f"{len(getattr(h, r))} {r}" for r in ("prefill", "decode")
+                          if getattr(h, r))
+        roles += (", " if roles else "") + ("the proxy" if h.name == desc.proxy.host else "")
+        env.out.print(f"pdctl: {h.name} ({h.ip}; {roles.rstrip(', ')}): copy "
+                      f"{out.resolve() / h.name}/ to /etc/pd-appliance/ there, then `pdctl up`")
+
+
+def status(ctx: click.Context, path: Path, as_json: bool) -> None:
+    from appliance.pdctl import clusterstatus
+    from appliance.pdctl.cluster import load_cluster
+
+    status = clusterstatus.gather(load_cluster(path).plan())
+    if as_json:
+        click.echo(json.dumps(status.as_dict(), indent=1))
+    else:
+        clusterstatus.render_table(status, env_of(ctx).out)
+    ctx.exit(0 if status.healthy else RUNTIME)
+
+
+def host_status(ctx: click.Context, cfg: HostConfig, as_json: bool) -> None:
+    """`pdctl status` on a cluster host: its instances, sidecars and proxy (where it runs
+    here), and its containers; `--cluster FILE` shows every host."""
+    from appliance.pdctl import clusterstatus
+    from appliance.pdctl.cluster import host_plan
+    from appliance.pdctl.clustercompose import service_names
+    from appliance.pdctl.dockerapi import DockerApi, DockerUnavailable
+
+    status = clusterstatus.gather(host_plan(cfg))
+    try:
+        clusterstatus.add_containers(status, DockerApi.connect().project(cfg.compose.project),
+                                     service_names(cfg))
+    except DockerUnavailable as exc:
+        status.problems.append(f"docker: {exc.lines[0]}")
+    if as_json:
+        click.echo(json.dumps(status.as_dict(), indent=1))
+    else:
+        clusterstatus.render_table(status, env_of(ctx).out)
+    ctx.exit(0 if status.healthy else RUNTIME)
