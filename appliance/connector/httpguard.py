@@ -1,6 +1,7 @@
 """An ASGI middleware for vLLM's API server (`--middleware appliance.connector.httpguard.
 KVParamsGuard`): a decode node refuses, with a 400, `kv_transfer_params` that name a
-bootstrap sidecar outside its allow-list, before the request reaches the engine.
+bootstrap sidecar outside its allow-list (addresses, and networks the sidecar's IP may be
+in), before the request reaches the engine.
 
 The connector's scheduler refuses those too (it prefills locally instead, nothing fetched),
 but it runs inside the engine, where no HTTP error can be given; this answers the caller.
@@ -72,7 +73,7 @@ class KVParamsGuard:
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         settings = self._load(scope)
-        if (settings is None or settings.is_producer or settings.allowed_bootstrap_addrs is None
+        if (settings is None or settings.is_producer or not settings.guards_bootstrap
                 or not self._authenticated(scope)):
             return await self.app(scope, receive, send)
         chunks: list[bytes] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -62,6 +63,9 @@ class ConnectorSettings(BaseModel):
     max_batch_descs: int = Field(1024, ge=1)
     # Consumer: if set, only these bootstrap addresses may be named by a request.
     allowed_bootstrap_addrs: tuple[str, ...] | None = None
+    # Consumer: CIDRs whose IP hosts a request may name as its bootstrap address too (any
+    # port). On Kubernetes P pods get a new IP on every restart: D is given the pod network.
+    allowed_bootstrap_networks: tuple[str, ...] | None = None
     # Side channel: a file holding the cluster's Z85 CURVE secret key on one line (one key
     # for every P and D worker and the proxy; `curve.generate_secret()` makes one). Set: P's
     # ROUTER admits only clients proving they hold it, D connects with it. Read when the
@@ -76,7 +80,7 @@ class ConnectorSettings(BaseModel):
     # came from (D's KV NIC differs from the one its side channel uses). None: only that.
     internal_networks: tuple[str, ...] | None = None
 
-    @field_validator("internal_networks")
+    @field_validator("internal_networks", "allowed_bootstrap_networks")
     @classmethod
     def _cidrs(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
         if value is None:
@@ -86,11 +90,30 @@ class ConnectorSettings(BaseModel):
         except ValueError as exc:
             raise ValueError(f"not a CIDR: {exc}") from None
 
+    @property
+    def guards_bootstrap(self) -> bool:
+        """Whether requests' bootstrap addresses are checked at all (else: any goes)."""
+        return (self.allowed_bootstrap_addrs is not None
+                or self.allowed_bootstrap_networks is not None)
+
     def bootstrap_allowed(self, addr: str) -> bool:
-        """Whether a request may make this decode node contact P through `addr`."""
-        if self.allowed_bootstrap_addrs is None:
+        """Whether a request may make this decode node contact P through `addr`: one of
+        the allowed addresses, or an IP inside an allowed network (a hostname never is:
+        what it resolves to is not ours to trust)."""
+        if not self.guards_bootstrap:
             return True
-        return addr.rstrip("/") in {a.rstrip("/") for a in self.allowed_bootstrap_addrs}
+        if addr.rstrip("/") in {a.rstrip("/") for a in self.allowed_bootstrap_addrs or ()}:
+            return True
+        if not self.allowed_bootstrap_networks:
+            return False
+        try:
+            parts = urlsplit(addr.strip())
+            ip = ipaddress.ip_address(parts.hostname or "")
+        except ValueError:  # a hostname, or not a URL at all
+            return False
+        if parts.scheme not in ("http", "https"):
+            return False
+        return any(ip in ipaddress.ip_network(net) for net in self.allowed_bootstrap_networks)
 
     @property
     def is_producer(self) -> bool:

@@ -16,11 +16,12 @@ A config file holds ProxySettings keys, at top level or under `[proxy]`:
     url = "http://10.0.0.2:8020"
 
 Modules: settings (file + flags), split (the P and D bodies), upstream (the lean HTTP/1.1
-client for P and D), backends (nodes and the health poller), routing (policies), metrics,
-errors, response (one upstream answer, parsed by llhttp), admission (overload control),
-admin (drain), app (shared state, each request's entry), exchange (P and D for each
-request), ownership and release (who frees P's KV), relay (D's answer to the client),
-record (the access log), server (the aiohttp application, its ops endpoints, serve()).
+client for P and D), backends (nodes, their membership and the health poller), discovery
+(Kubernetes pods as nodes), routing (policies), metrics, errors, response (one upstream
+answer, parsed by llhttp), admission (overload control), admin (drain), app (shared state,
+each request's entry), exchange (P and D for each request), ownership and release (who
+frees P's KV), relay (D's answer to the client), record (the access log), server (the
+aiohttp application, its ops endpoints, serve()).
 """
 
 from appliance.proxy.server import RunningProxy, build_app, serve

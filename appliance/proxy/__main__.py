@@ -32,22 +32,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         tls = settings.listener_ssl()
     except (OSError, ValueError) as exc:
         if isinstance(exc, ValidationError):
-            msg = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            # A whole-settings check (no field to name) is its own sentence.
+            msg = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"]
+                            else e["msg"].removeprefix("Value error, ") for e in exc.errors())
         else:
             msg = str(exc)
         print(f"proxy: error: {msg}", file=sys.stderr)
         sys.exit(2)
-    if not settings.prefill or not settings.decode:
+    if settings.discovery == "static" and (not settings.prefill or not settings.decode):
         print("proxy: error: at least one --prefill and one --decode are needed", file=sys.stderr)
         sys.exit(2)
     _raise_open_files_limit()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    k8s = settings.kubernetes
+    nodes = (f"pods in {k8s.namespace} via {k8s.api_server}: prefill {k8s.prefill_selector!r} "
+             f"(:{k8s.prefill_port}, bootstrap :{k8s.bootstrap_port}), decode "
+             f"{k8s.decode_selector!r} (:{k8s.decode_port})"
+             if settings.discovery == "kubernetes" else
+             f"prefill {[f'{n.url} ({n.bootstrap_url})' for n in settings.prefill]}, "
+             f"decode {[n.url for n in settings.decode]}")
     logging.getLogger("appliance.proxy").info(
-        "proxy on %s://%s:%d: prefill %s, decode %s, policy %s", "https" if tls else "http",
-        settings.host, settings.port,
-        [f"{n.url} ({n.bootstrap_url})" for n in settings.prefill],
-        [n.url for n in settings.decode], settings.policy)
+        "proxy on %s://%s:%d: %s, policy %s", "https" if tls else "http", settings.host,
+        settings.port, nodes, settings.policy)
     # handler_cancellation: a client that hangs up cancels its handler, which closes both
     # upstream connections, so vLLM aborts the requests.
     web.run_app(build_app(settings), host=settings.host, port=settings.port, print=None,

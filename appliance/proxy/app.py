@@ -24,6 +24,7 @@ from appliance.httperrors import json_error
 from appliance.proxy import first_token
 from appliance.proxy.admission import Admission
 from appliance.proxy.backends import Backend, Backends, HealthPoller
+from appliance.proxy.discovery import KubernetesDiscovery
 from appliance.proxy.errors import ProxyError
 from appliance.proxy.exchange import Exchange
 from appliance.proxy.metrics import ProxyMetrics
@@ -64,6 +65,7 @@ class Proxy:
         self.router = Router(settings.policy)
         self.session: aiohttp.ClientSession | None = None
         self.poller: HealthPoller | None = None
+        self.discovery: KubernetesDiscovery | None = None
         self.base_headers: dict[str, str] = {}
         if settings.backend_api_key:
             self.base_headers["Authorization"] = f"Bearer {settings.backend_api_key}"
@@ -81,6 +83,8 @@ class Proxy:
                                    max_connections=settings.max_connections_per_node,
                                    deadline_s=settings.upstream_deadline_s)
         self.backends.on_down = self._node_down
+        # A node that left is forgotten once idle: so are its pooled connections.
+        self.backends.on_drop = lambda b: self.upstreams.forget(b.url)
         self.admission = Admission(settings.max_in_flight_per_decode, settings.max_queued,
                                    settings.queue_timeout_s,
                                    lambda why: self.metrics.overloaded.labels(why).inc())
@@ -102,8 +106,15 @@ class Proxy:
         self.poller = HealthPoller(self.backends, self.session, self.settings, self.base_headers)
         self.poller.start()
         self.upstreams.start()
+        if self.settings.discovery == "kubernetes":
+            # Nodes come and go with the pods; the poller checks each new one.
+            self.discovery = KubernetesDiscovery(self.settings.kubernetes,
+                                                 self.backends.reconcile)
+            self.discovery.start()
 
     async def stop(self, _app: web.Application | None = None) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.poller is not None:
             await self.poller.stop()
         if self.session is not None:
@@ -170,6 +181,7 @@ class Proxy:
         finally:
             self.in_flight -= 1
             if rec.kv is not None:
+                rec.kv.p.transfers -= 1
                 self.pulls.done(rec.kv)
                 if rec.kv.owed:
                     # However the request ended, no D took P's KV over: free it now rather

@@ -1,4 +1,11 @@
-"""Prefill and decode nodes, their health, and the poller that keeps it current (seeds 6-7)."""
+"""Prefill and decode nodes, their health, and the poller that keeps it current (seeds 6-7).
+
+Membership changes at run time (`Backends.reconcile`, fed by the static settings at start
+and by appliance.proxy.discovery after): a node is a *member* (in rotation once its health
+checks pass, as at start-up), *leaving* (gone from the configuration: out of rotation at
+once, still health checked, what it holds finishes, like a drain) or *dropped* (forgotten,
+once it holds nothing). A leaving node that reappears is a member again.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +13,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from appliance.bootstrap.wire import decode_query
 from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.settings import ProxySettings
+from appliance.proxy.settings import DecodeNode, PrefillNode, ProxySettings
 
 log = logging.getLogger("appliance.proxy.health")
 
@@ -36,10 +43,21 @@ class Backend:
     failures: int = 0
     # Drained (the admin API, `pdctl drain`): nothing new, what it has finishes.
     draining: bool = False
+    # Gone from the configuration (discovery): nothing new; dropped once it holds nothing.
+    leaving: bool = False
+    # Forgotten: a health check still running for it changes nothing.
+    dropped: bool = False
+    # It left holding requests in flight (its drop is then a line of its own).
+    left_busy: bool = False
 
     @property
     def in_rotation(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.leaving
+
+    @property
+    def held(self) -> int:
+        """Requests in flight that need this node (a leaving one is dropped at 0)."""
+        return self.in_flight
 
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -48,6 +66,7 @@ class Backend:
             "healthy": self.healthy,
             "in_rotation": self.in_rotation,
             "draining": self.draining,
+            "leaving": self.leaving,
             "in_flight": self.in_flight,
             "last_error": self.last_error,
             "last_check_age_s": None if self.last_check is None
@@ -63,12 +82,19 @@ class PrefillBackend(Backend):
     # dp rank -> its workers' side-channel addresses (every tp and pp rank), same source:
     # where the proxy sends a release for KV no decode node will pull.
     side_channels: dict[int, list[str]] = field(default_factory=dict)
+    # Requests whose transfer names this P, from its pick to the request's end: a D may
+    # still pull its KV after P answered, and a P found down then fails that D over.
+    transfers: int = 0
     _next_rank: int = 0
 
     @property
     def in_rotation(self) -> bool:
         # Without an engine id D could not find P's workers: not ready (seeds step 6).
-        return self.healthy and not self.draining and bool(self.engine_ids)
+        return super().in_rotation and bool(self.engine_ids)
+
+    @property
+    def held(self) -> int:
+        return max(self.in_flight, self.transfers)
 
     def next_rank(self) -> tuple[int, str]:
         """Several dp ranks behind one P are used in turn."""
@@ -84,13 +110,17 @@ class PrefillBackend(Backend):
         return out
 
 
+B = TypeVar("B", bound=Backend)
+N = TypeVar("N", PrefillNode, DecodeNode)
+
+
 class Backends:
-    """All nodes, as configured; health is written by the poller and by failed requests."""
+    """All nodes known now; health is written by the poller and by failed requests,
+    membership by reconcile() alone."""
 
     def __init__(self, settings: ProxySettings, metrics: ProxyMetrics) -> None:
-        self.prefill = [PrefillBackend("prefill", n.url, bootstrap_url=n.bootstrap_url)
-                        for n in settings.prefill]
-        self.decode = [Backend("decode", n.url) for n in settings.decode]
+        self.prefill: list[PrefillBackend] = []
+        self.decode: list[Backend] = []
         self.metrics = metrics
         # After this many failed health checks in a row, on_down(node, why) fails the calls
         # the node holds (the proxy's Upstreams.fail_node).
@@ -102,8 +132,9 @@ class Backends:
         # The rotation, rebuilt when a node's health changes rather than on every request.
         self._ready_prefill: list[PrefillBackend] = []
         self._ready_decode: list[Backend] = []
-        for b in self.all():
-            metrics.backend_up.labels(b.role, b.url).set(0)
+        # A node dropped (it left and holds nothing): the proxy closes its connections.
+        self.on_drop: Callable[[Backend], None] | None = None
+        self.reconcile(settings.prefill, settings.decode)
 
     def all(self) -> list[Backend]:
         return [*self.prefill, *self.decode]
@@ -114,9 +145,88 @@ class Backends:
     def ready_decode(self) -> list[Backend]:
         return self._ready_decode
 
+    # ---- membership ------------------------------------------------------------------
+
+    def reconcile(self, prefill: Sequence[PrefillNode], decode: Sequence[DecodeNode]) -> None:
+        """The one place membership changes: these are the nodes now. New ones join out of
+        rotation (the poller's next round checks them), missing ones start leaving, leaving
+        ones named again come back; leaving ones that hold nothing are dropped."""
+        self.prefill = self._merge("prefill", self.prefill, {n.url: n for n in prefill},
+                                   self._new_prefill)
+        self.decode = self._merge("decode", self.decode, {n.url: n for n in decode},
+                                  lambda n: Backend("decode", n.url))
+        self.sweep()
+        self._refresh()
+
+    @staticmethod
+    def _new_prefill(n: PrefillNode) -> PrefillBackend:
+        return PrefillBackend("prefill", n.url, bootstrap_url=n.bootstrap_url)
+
+    def _merge(self, role: str, members: list[B], wanted: Mapping[str, N],
+               make: Callable[[N], B]) -> list[B]:
+        known = {b.url for b in members}
+        for b in members:
+            node = wanted.get(b.url)
+            if node is None:
+                if not b.leaving:
+                    b.leaving, b.left_busy = True, b.held > 0
+                    self._changed(b, "removed")
+                    if b.left_busy:  # else sweep() drops it now, in one line
+                        log.warning("%s %s removed: out of rotation, dropped once its %d "
+                                    "requests in flight finish", role, b.url, b.held)
+                continue
+            if b.leaving:
+                b.leaving = False
+                self._changed(b, "returned")
+                log.info("%s %s added again before it was dropped: back in rotation when "
+                         "healthy", role, b.url)
+            if (isinstance(b, PrefillBackend) and isinstance(node, PrefillNode)
+                    and node.bootstrap_url != b.bootstrap_url):
+                log.warning("prefill %s: bootstrap %s -> %s; its engine ids are read again",
+                            b.url, b.bootstrap_url, node.bootstrap_url)
+                b.bootstrap_url, b.engine_ids, b.side_channels = node.bootstrap_url, {}, {}
+                self._rotation_changed(b)
+        added = [make(n) for url, n in wanted.items() if url not in known]
+        for b in added:
+            self._changed(b, "added")
+            log.info("%s %s added: in rotation once its health checks pass", role, b.url)
+        return [*members, *added]
+
+    def sweep(self) -> None:
+        """Drop the leaving nodes that hold nothing any more."""
+        gone = [b for b in self.all() if b.leaving and not b.held]
+        if not gone:
+            return
+        self.prefill = [b for b in self.prefill if b not in gone]
+        self.decode = [b for b in self.decode if b not in gone]
+        for b in gone:
+            b.dropped = True
+            self.metrics.backend_up.remove(b.role, b.url)
+            self.metrics.membership.labels(b.role, "dropped").inc()
+            log.info("%s %s %s", b.role, b.url,
+                     "dropped: its requests in flight finished" if b.left_busy
+                     else "removed and dropped: nothing in flight")
+            if self.on_drop is not None:
+                self.on_drop(b)
+        self._refresh()
+
+    def _changed(self, b: Backend, change: str) -> None:
+        self.metrics.membership.labels(b.role, change).inc()
+        self._rotation_changed(b)
+
+    def _refresh(self) -> None:
+        self._ready_prefill = [n for n in self.prefill if n.in_rotation]
+        self._ready_decode = [n for n in self.decode if n.in_rotation]
+        self.metrics.backends_known.labels("prefill").set(len(self.prefill))
+        self.metrics.backends_known.labels("decode").set(len(self.decode))
+
+    # ---- health and rotation -------------------------------------------------------------
+
     def set_health(self, b: Backend, healthy: bool, error: str | None = None,
                    engine_ids: dict[int, str] | None = None,
                    side_channels: dict[int, list[str]] | None = None) -> None:
+        if b.dropped:  # a check that was running when the node was dropped
+            return
         was = b.in_rotation
         if engine_ids is not None and isinstance(b, PrefillBackend):
             b.engine_ids = engine_ids
@@ -211,6 +321,8 @@ class HealthPoller:
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
     async def poll_once(self) -> None:
+        # The nodes known now: ones added since the last round are checked, dropped ones not.
+        self.backends.sweep()
         checks = [self._check_prefill(b) for b in self.backends.prefill]
         checks += [self._check_decode(b) for b in self.backends.decode]
         await asyncio.gather(*checks)

@@ -76,6 +76,7 @@ class Exchange:
         rec.transfer_id = f"xfer-{rec.request_id}" if rec.own_request_id else new_transfer_id()
         rec.prefill, rec.decode = f"{p.url}#dp{rank}", d.url
         rec.kv = PrefillKV(p, rank, rec.transfer_id)
+        p.transfers += 1  # until the request ends (Proxy.generate): P stays known till then
         return rec.kv, engine_id
 
     async def split(self, request: web.Request, rec: Record, body: dict[str, Any],

@@ -106,6 +106,15 @@ class ProxyMetrics:
                                        ["role", "backend", "kind"], registry=r)
         self.backend_up = Gauge("pd_proxy_backend_up", "1 when the node is in rotation",
                                 ["role", "backend"], registry=r)
+        self.membership = Counter(
+            "pd_proxy_backend_membership_changes",
+            "Changes of the proxy's node set (static settings at start, or discovery), by "
+            "role and change: added, removed (out of rotation, its requests finish), "
+            "returned (added again before it was dropped), dropped (left, nothing in flight)",
+            ["role", "change"], registry=r)
+        self.backends_known = Gauge("pd_proxy_backends",
+                                    "Nodes the proxy knows, by role (leaving ones included)",
+                                    ["role"], registry=r)
 
     def count_request(self, route: str, status: int) -> None:
         key = (route, status)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import ssl
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -18,6 +18,8 @@ from appliance.netaddr import host_port
 DEFAULT_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998
 API_KEYS_ENV = "APPLIANCE_PROXY_API_KEYS"
+# Where Kubernetes mounts a pod's service account: its namespace, token and cluster CA.
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def _http_url(value: str, schemes: tuple[str, ...] = ("http", "https")) -> str:
@@ -66,11 +68,72 @@ class DecodeNode(BaseModel):
         return _node_url(v)
 
 
+class KubernetesSettings(BaseModel):
+    """`--discovery kubernetes`: P and D are the Ready pods these label selectors match
+    (appliance.proxy.discovery). Unset namespace and API server are filled in from the
+    pod's service account and environment when discovery is kubernetes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str | None = None
+    prefill_selector: str | None = None  # e.g. app.kubernetes.io/component=prefill
+    decode_selector: str | None = None
+    prefill_port: int = Field(8010, ge=1, le=65535)
+    decode_port: int = Field(8020, ge=1, le=65535)
+    bootstrap_port: int = Field(DEFAULT_BOOTSTRAP_PORT, ge=1, le=65535)
+    api_server: str | None = None
+    # Re-read when it changes: bound service account tokens rotate.
+    token_file: str = f"{SERVICE_ACCOUNT_DIR}/token"
+    ca_file: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
+    # A failed list or watch is retried after a back-off doubling up to this (no flag).
+    retry_max_s: float = Field(30.0, gt=0)
+    # Watches are ended by the server after this long and resumed (no flag).
+    watch_timeout_s: int = Field(240, ge=1)
+
+    @field_validator("prefill_selector", "decode_selector", "namespace")
+    @classmethod
+    def _not_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        return None if v is None else v.strip()
+
+    @field_validator("api_server")
+    @classmethod
+    def _api_url(cls, v: str | None) -> str | None:
+        return None if v is None else _http_url(v)
+
+    def resolve(self, environ: Mapping[str, str]) -> None:
+        """Fill in what was left to the pod: raises ValueError with one line when it
+        cannot, and when a selector is missing."""
+        missing = [f"--k8s-{r}-selector" for r in ("prefill", "decode")
+                   if getattr(self, f"{r}_selector") is None]
+        if missing:
+            raise ValueError(f"--discovery kubernetes needs {' and '.join(missing)}")
+        if self.namespace is None:
+            path = Path(SERVICE_ACCOUNT_DIR) / "namespace"
+            try:
+                self.namespace = path.read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"no --k8s-namespace and {path} unreadable "
+                                 f"({exc.strerror})") from None
+        if self.api_server is None:
+            host = environ.get("KUBERNETES_SERVICE_HOST")
+            if not host:
+                raise ValueError("no --k8s-api-server and KUBERNETES_SERVICE_HOST is not set "
+                                 "(not in a pod?)")
+            port = int(environ.get("KUBERNETES_SERVICE_PORT") or 443)
+            self.api_server = f"https://{host_port(host, port)}"
+
+
 class ProxySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = "0.0.0.0"
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    # static: the prefill and decode lists below; kubernetes: pods found by label
+    # (the kubernetes table), the lists left empty.
+    discovery: Literal["static", "kubernetes"] = "static"
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     prefill: list[PrefillNode] = Field(default_factory=list)
     decode: list[DecodeNode] = Field(default_factory=list)
     policy: Literal["round_robin", "least_outstanding"] = "round_robin"
@@ -146,6 +209,16 @@ class ProxySettings(BaseModel):
 
 
     @model_validator(mode="after")
+    def _discovery(self, info: ValidationInfo) -> ProxySettings:
+        if self.discovery == "kubernetes":
+            if self.prefill or self.decode:
+                raise ValueError("--discovery kubernetes finds P and D itself: give no "
+                                 "--prefill or --decode (no prefill/decode lists)")
+            environ = (info.context or {}).get("environ", os.environ)
+            self.kubernetes.resolve(environ)
+        return self
+
+    @model_validator(mode="after")
     def _files(self) -> ProxySettings:
         if self.backend_api_key is None and self.backend_api_key_file:
             self.backend_api_key = keys.read(self.backend_api_key_file,
@@ -208,6 +281,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TOML file with ProxySettings keys (top level or under [proxy])")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--discovery", choices=["static", "kubernetes"],
+                   help="where P and D come from: --prefill/--decode (static, the default) "
+                        "or the Ready pods the --k8s-*-selector flags match")
+    k8s = p.add_argument_group("kubernetes discovery")
+    k8s.add_argument("--k8s-namespace", metavar="NS",
+                     help="default: the pod's own (its service account's namespace file)")
+    k8s.add_argument("--k8s-prefill-selector", metavar="SELECTOR",
+                     help="label selector of P pods, e.g. app.kubernetes.io/component=prefill")
+    k8s.add_argument("--k8s-decode-selector", metavar="SELECTOR",
+                     help="label selector of D pods")
+    k8s.add_argument("--k8s-prefill-port", type=int, metavar="PORT", help="P's API (8010)")
+    k8s.add_argument("--k8s-decode-port", type=int, metavar="PORT", help="D's API (8020)")
+    k8s.add_argument("--k8s-bootstrap-port", type=int, metavar="PORT",
+                     help="the bootstrap sidecar beside each P (8998)")
+    k8s.add_argument("--k8s-api-server", metavar="URL",
+                     help="default https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT")
+    k8s.add_argument("--k8s-token-file", metavar="FILE",
+                     help="bearer token, re-read when it changes (default: the service "
+                          "account's)")
+    k8s.add_argument("--k8s-ca-file", metavar="FILE",
+                     help="CA of the API server (default: the service account's ca.crt)")
     p.add_argument("--prefill", action="append", metavar="URL[,BOOTSTRAP_URL]",
                    help="a prefill node (repeatable); bootstrap defaults to the host's :8998")
     p.add_argument("--decode", action="append", metavar="URL", help="a decode node (repeatable)")
@@ -275,9 +369,12 @@ def load_settings(argv: Sequence[str] | None = None,
     for key, value in args.items():
         if value is None:
             continue
+        if key.startswith("k8s_"):
+            data.setdefault("kubernetes", {})[key.removeprefix("k8s_")] = value
+            continue
         if key == "prefill":
             value = [parse_prefill_flag(v) for v in value]
         elif key == "decode":
             value = [{"url": v} for v in value]
         data[key] = value
-    return ProxySettings.model_validate(data)
+    return ProxySettings.model_validate(data, context={"environ": environ})

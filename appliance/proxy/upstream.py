@@ -196,6 +196,13 @@ class Upstreams:
                                                 self.deadline_s)
         return pool
 
+    def forget(self, base_url: str) -> None:
+        """A node the proxy dropped: close its idle connections (a call still on one
+        finishes; a node added again later gets a new pool)."""
+        pool = self._pools.pop(base_url, None)
+        if pool is not None:
+            pool.close()
+
     def fail_node(self, base_url: str, why: str) -> int:
         """Fail every call in flight to this node (it is down); returns how many."""
         pool = self._pools.get(base_url)

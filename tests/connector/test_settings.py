@@ -58,3 +58,30 @@ def test_bad_settings_fail_with_one_line_naming_them(cfg, words) -> None:
         ConnectorSettings.from_kv_transfer_config(cfg)
     message = str(err.value)
     assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_bootstrap_allowed_by_address_or_network() -> None:
+    open_node = ConnectorSettings.from_kv_transfer_config(config("kv_consumer", "d0"))
+    assert not open_node.guards_bootstrap and open_node.bootstrap_allowed("http://anywhere:1")
+    pods = ConnectorSettings.from_kv_transfer_config(config(
+        "kv_consumer", "d0", allowed_bootstrap_networks=["10.244.1.7/16", "fd00:10::/64"]))
+    assert pods.guards_bootstrap and pods.allowed_bootstrap_networks == (
+        "10.244.0.0/16", "fd00:10::/64")
+    assert pods.bootstrap_allowed("http://10.244.3.9:8998")  # a P pod, restarted anywhere
+    assert pods.bootstrap_allowed("http://[fd00:10::5]:8998/")
+    assert not pods.bootstrap_allowed("http://10.245.0.1:8998")  # outside the network
+    assert not pods.bootstrap_allowed("http://p-0.pd.svc:8998")  # a hostname never matches
+    assert not pods.bootstrap_allowed("tcp://10.244.3.9:8998")
+    assert not pods.bootstrap_allowed("http://[fd00:10::5")  # not a URL
+    both = ConnectorSettings.from_kv_transfer_config(config(
+        "kv_consumer", "d0", allowed_bootstrap_addrs=["http://p-0.pd.svc:8998"],
+        allowed_bootstrap_networks=["10.244.0.0/16"]))
+    assert both.bootstrap_allowed("http://p-0.pd.svc:8998/")  # listed
+    assert both.bootstrap_allowed("http://10.244.0.3:8998")  # in the network
+    assert not both.bootstrap_allowed("http://p-1.pd.svc:8998")
+    addrs_only = ConnectorSettings.from_kv_transfer_config(config(
+        "kv_consumer", "d0", allowed_bootstrap_addrs=["http://10.0.0.1:8998"]))
+    assert not addrs_only.bootstrap_allowed("http://10.0.0.2:8998")  # as before
+    with pytest.raises(ValueError, match="allowed_bootstrap_networks.*not a CIDR"):
+        ConnectorSettings.from_kv_transfer_config(config(
+            "kv_consumer", "d0", allowed_bootstrap_networks=["pods"]))
