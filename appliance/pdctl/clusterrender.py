@@ -44,7 +44,7 @@ def render_cluster(desc: ClusterDescription, source: Path, out_dir: Path,
         if kubernetes:
             from appliance.pdctl.helmvalues import values_yaml
 
-            _write(out_dir / VALUES_FILE, values_yaml(desc))
+            _write(out_dir / VALUES_FILE, values_yaml(desc, str(source)))
             written.append(out_dir / VALUES_FILE)
     except OSError as exc:
         raise PdctlError(f"cannot write to {out_dir}: {exc.strerror or exc}") from None

@@ -212,3 +212,21 @@ def test_status_on_a_cluster_host_reports_its_instances(cluster, pdctl):
         ("b/decode-0", "http://127.0.0.12:8020", False),
         ("b/decode-1", "http://127.0.0.12:8021", False)]
     assert any(line.startswith("docker: ") for line in status["problems"])
+
+
+def test_kubernetes_values_for_the_same_cluster(pdctl, tmp_path):
+    """--kubernetes also writes the chart's values: the same instance counts and TP, the
+    keys left to a Secret made from the same keys/ directory."""
+    import yaml
+
+    desc = tmp_path / "cluster.toml"
+    desc.write_text(TWO_HOSTS)
+    res = pdctl("render", "--cluster", str(desc), "--kubernetes")
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "cluster" / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    assert (values["prefill"]["replicas"], values["decode"]["replicas"]) == (2, 3)
+    assert values["proxy"]["policy"] == "least_outstanding"
+    assert values["keys"]["existingSecret"]
+    for key in (tmp_path / "cluster" / "keys").iterdir():
+        assert key.read_text().strip() not in text

@@ -1,0 +1,116 @@
+"""A cluster description as values for the Helm chart (charts/pd-appliance).
+
+On Kubernetes the scheduler, not the description, places pods: what carries over is how many
+P and D instances there are, their TP (GPUs per pod) or CPUs, the model, the ports, the
+routing policy, the transfer, the timeouts, the images and /dev/shm's size. The model's path
+becomes a hostPath volume (the description says every host has the model there). The keys
+stay out of the values: the chart reads them from a Secret made from `pdctl init`'s keys/:
+
+    kubectl create secret generic pd-appliance-keys --from-file=keys/
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from appliance.pdctl.cluster import ROLES, ClusterDescription
+
+KEYS_SECRET = "pd-appliance-keys"
+_SHM_UNITS = {"b": "", "k": "Ki", "m": "Mi", "g": "Gi"}
+
+
+def _image(ref: str) -> dict[str, str]:
+    """An image reference as the chart's repository and tag (a digest goes in the tag)."""
+    if "@" in ref:
+        repo, digest = ref.split("@", 1)
+        return {"repository": repo, "tag": digest}
+    repo, sep, tag = ref.rpartition(":")
+    if sep and "/" not in tag:  # not a registry's port
+        return {"repository": repo, "tag": tag}
+    return {"repository": ref, "tag": ""}
+
+
+def _quantity(size: str) -> str:
+    """docker's 16g as Kubernetes' 16Gi."""
+    unit = size[-1] if size[-1] in _SHM_UNITS else "b"
+    return size.rstrip("bkmg") + _SHM_UNITS[unit]
+
+
+def _model(desc: ClusterDescription) -> dict[str, Any]:
+    m = desc.model
+    out: dict[str, Any] = {
+        "path": m.path,
+        "servedName": m.name,
+        "tpSize": m.tp_size,
+        "prefillTpSize": m.tp("prefill"),
+        "decodeTpSize": m.tp("decode"),
+        "gpuMemoryUtilization": m.gpu_memory_utilization,
+        "extraArgs": list(m.extra_args),
+        "prefillExtraArgs": list(m.prefill_extra_args),
+        "decodeExtraArgs": list(m.decode_extra_args),
+        "volume": {"type": "hostPath", "hostPath": m.path},
+    }
+    for key, value in (("blockSize", m.block_size), ("maxModelLen", m.max_model_len),
+                       ("kvCacheBytes", m.kv_cache_bytes)):
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _role(desc: ClusterDescription, role: str) -> dict[str, Any]:
+    instances = desc.plan().of(role)  # type: ignore[arg-type]
+    out: dict[str, Any] = {"replicas": len(instances),
+                           "shmSize": _quantity(desc.compose.shm_size)}
+    if desc.stack == "cpu" and instances:
+        # The pod asks for as many CPUs as the largest instance of the role was given.
+        out["cpus"] = max(len(i.devices) for i in instances)
+    return out
+
+
+def helm_values(desc: ClusterDescription, *,
+                pod_network_cidrs: Sequence[str] = ()) -> dict[str, Any]:
+    """The chart's values for `desc` (GPUs per pod = the role's TP, set by the chart)."""
+    t = desc.transfer
+    values: dict[str, Any] = {
+        "stack": desc.stack,
+        "model": _model(desc),
+        **{role: _role(desc, role) for role in ROLES},
+        "ports": {"prefill": desc.ports.prefill, "decode": desc.ports.decode,
+                  "bootstrap": desc.ports.bootstrap, "proxy": desc.ports.proxy},
+        "proxy": {"policy": desc.proxy.policy},
+        "transfer": {
+            # The CPU images move KV over TCP only.
+            "protocol": "tcp" if desc.stack == "cpu" else t.protocol,
+            "device": t.device,
+            "gpudirect": t.gpudirect,
+            "portRange": list(t.port_range),
+        },
+        "timeouts": {
+            "startupS": max(10, math.ceil(desc.timeouts.startup_s)),
+            "kvSendS": desc.timeouts.kv_send_s,
+            "kvRecvS": desc.timeouts.kv_recv_s,
+            "prefillS": desc.timeouts.prefill_s,
+            "decodeReadS": desc.timeouts.decode_read_s,
+        },
+        "bootstrap": {"ttlS": math.ceil(desc.timeouts.bootstrap_ttl_s)},
+        "images": {"slim": _image(desc.images.slim)},
+        "keys": {"existingSecret": KEYS_SECRET},
+    }
+    if desc.images.vllm:  # else the chart's, by stack
+        values["images"]["vllm"] = _image(desc.images.vllm)
+    if pod_network_cidrs:
+        values["podNetworkCidrs"] = list(pod_network_cidrs)
+    return values
+
+
+def values_yaml(desc: ClusterDescription, source: str = "") -> str:
+    """helm_values() as the values file `pdctl render --cluster --kubernetes` writes."""
+    import yaml
+
+    head = (f"# The Helm chart's values for the cluster {source} (charts/pd-appliance).\n"
+            f"# Written by `pdctl render --cluster --kubernetes`: edit the description and "
+            f"render again.\n# The keys: kubectl create secret generic {KEYS_SECRET} "
+            f"--from-file=keys/\n# Then: helm install pd charts/pd-appliance -f values.yaml\n")
+    return head + yaml.safe_dump(helm_values(desc), sort_keys=False)

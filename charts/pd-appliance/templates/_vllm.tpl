@@ -1,0 +1,200 @@
+{{/* The prefill and decode Deployments share this; each is called with (list $ "prefill")
+     or (list $ "decode"). */}}
+
+{{- define "pd-appliance.tp" -}}
+{{- $m := (index . 0).Values.model -}}
+{{- $own := ternary $m.prefillTpSize $m.decodeTpSize (eq (index . 1) "prefill") -}}
+{{- $own | default $m.tpSize | int -}}
+{{- end -}}
+
+{{/* The connector's settings (appliance/connector/settings.py), as one JSON argument.
+     Kubernetes expands $(POD_NAME) and $(POD_IP) from the container's env. */}}
+{{- define "pd-appliance.kvTransferConfig" -}}
+{{- $v := (index . 0).Values -}}
+{{- $role := index . 1 -}}
+{{- $keys := include "pd-appliance.keysDir" (index . 0) -}}
+{{- $extra := dict "protocol" $v.transfer.protocol "device_name" $v.transfer.device "host" "$(POD_IP)" "recv_timeout_s" $v.timeouts.kvRecvS "bootstrap_token_file" (printf "%s/bootstrap-token" $keys) "side_channel_key_file" (printf "%s/side-channel.key" $keys) -}}
+{{- if eq $role "prefill" -}}
+{{- $_ := set $extra "bootstrap_addr" (printf "http://$(POD_IP):%d" (int $v.ports.bootstrap)) -}}
+{{- $_ := set $extra "send_timeout_s" $v.timeouts.kvSendS -}}
+{{- with $v.transfer.internalNetworks }}{{ $_ := set $extra "internal_networks" . }}{{ end -}}
+{{- else -}}
+{{- /* D pulls only from sidecars on the pod network (the proxy names P's by pod IP). */ -}}
+{{- with $v.podNetworkCidrs }}{{ $_ := set $extra "allowed_bootstrap_networks" . }}{{ end -}}
+{{- end -}}
+{{- $role_ := ternary "kv_producer" "kv_consumer" (eq $role "prefill") -}}
+{{- toJson (dict "kv_connector" "PDConnector" "kv_connector_module_path" "appliance.connector" "kv_role" $role_ "engine_id" "$(POD_NAME)" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $extra) -}}
+{{- end -}}
+
+{{/* vLLM's command line after the image's entrypoint (which runs the RDMA preflight: so
+     `args`, never `command`). */}}
+{{- define "pd-appliance.vllmArgs" -}}
+{{- $ctx := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- $v := $ctx.Values -}}
+{{- $m := $v.model -}}
+{{- $args := list "python3" "-m" "appliance.launcher" "serve" $m.path
+      "--served-model-name" ($m.servedName | default (base $m.path))
+      "--host" "$(POD_IP)" "--port" (toString (int (index $v.ports $role))) -}}
+{{- if eq $role "decode" -}}
+{{- $args = concat $args (list "--middleware" "appliance.connector.httpguard.KVParamsGuard") -}}
+{{- end -}}
+{{- $block := $m.blockSize | default (ternary 32 16 (eq $v.stack "cpu")) -}}
+{{- $args = concat $args (list "--tensor-parallel-size" (include "pd-appliance.tp" .)
+      "--block-size" (toString (int $block))
+      "--gpu-memory-utilization" (toString $m.gpuMemoryUtilization)) -}}
+{{- with $m.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int64 .))) }}{{ end -}}
+{{- with $m.kvCacheBytes }}{{ $args = concat $args (list "--kv-cache-memory-bytes" (toString (int64 .))) }}{{ end -}}
+{{- $args = concat $args (list "--kv-transfer-config" (include "pd-appliance.kvTransferConfig" .)) -}}
+{{- $args = concat $args $m.extraArgs (ternary $m.prefillExtraArgs $m.decodeExtraArgs (eq $role "prefill")) -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* GPUs (= TP) on the gpu stack, whole CPUs on the cpu stack, the RDMA device with rdma;
+     the user's own requests and limits kept. Extended resources are quoted strings (what
+     server-side apply wants on 1.20). */}}
+{{- define "pd-appliance.vllmResources" -}}
+{{- $v := (index . 0).Values -}}
+{{- $r := index $v (index . 1) -}}
+{{- $user := $r.resources | default dict -}}
+{{- $requests := deepCopy ($user.requests | default dict) -}}
+{{- $limits := deepCopy ($user.limits | default dict) -}}
+{{- if eq $v.stack "gpu" -}}
+{{- $gpus := include "pd-appliance.tp" . -}}
+{{- $_ := set $requests "nvidia.com/gpu" $gpus -}}
+{{- $_ := set $limits "nvidia.com/gpu" $gpus -}}
+{{- else -}}
+{{- /* requests = limits in whole CPUs: a Guaranteed pod gets cores of its own from the
+       static CPU manager, and vLLM's OpenMP threads bind to the CPUs it is allowed
+       (VLLM_CPU_OMP_THREADS_BIND stays auto). */ -}}
+{{- $_ := set $requests "cpu" (toString (int $r.cpus)) -}}
+{{- $_ := set $limits "cpu" (toString (int $r.cpus)) -}}
+{{- end -}}
+{{- if eq $v.transfer.protocol "rdma" -}}
+{{- $_ := set $requests $v.transfer.rdmaResource.name (toString (int $v.transfer.rdmaResource.count)) -}}
+{{- $_ := set $limits $v.transfer.rdmaResource.name (toString (int $v.transfer.rdmaResource.count)) -}}
+{{- end -}}
+{{- toYaml (dict "requests" $requests "limits" $limits) -}}
+{{- end -}}
+
+{{- define "pd-appliance.vllmEnv" -}}
+{{- $v := (index . 0).Values -}}
+{{- $r := index $v (index . 1) -}}
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+- name: VLLM_HOST_IP
+  value: $(POD_IP)
+- name: PD_API_KEY_FILE  # the launcher reads it into VLLM_API_KEY
+  value: {{ include "pd-appliance.keysDir" (index . 0) }}/api-key
+- name: PD_PROTOCOL  # read by the image's preflight too
+  value: {{ $v.transfer.protocol }}
+- name: PD_RDMA_DEVICE
+  value: {{ $v.transfer.device | quote }}
+- name: PD_GPUDIRECT
+  value: {{ $v.transfer.gpudirect }}
+- name: MC_MIN_RPC_PORT
+  value: {{ index $v.transfer.portRange 0 | int | quote }}
+- name: MC_MAX_RPC_PORT
+  value: {{ index $v.transfer.portRange 1 | int | quote }}
+- name: MC_LOG_LEVEL
+  value: WARNING
+- name: HF_HUB_OFFLINE
+  value: "1"
+- name: VLLM_NO_USAGE_STATS
+  value: "1"
+- name: DO_NOT_TRACK
+  value: "1"
+{{- with $r.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "pd-appliance.httpProbes" -}}
+{{- $port := index . 0 -}}
+{{- $startup := index . 1 -}}
+{{- if $startup }}
+startupProbe:  # model loading: up to timeouts.startupS
+  httpGet: {path: /health, port: {{ $port }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: {{ $startup }}
+{{- end }}
+readinessProbe:
+  httpGet: {path: /health, port: {{ $port }}}
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  httpGet: {path: /health, port: {{ $port }}}
+  periodSeconds: 10
+  timeoutSeconds: 10
+  failureThreshold: 6
+{{- end -}}
+
+{{- define "pd-appliance.vllmVolumes" -}}
+{{- $ctx := index . 0 -}}
+{{- $v := $ctx.Values -}}
+{{- $r := index $v (index . 1) -}}
+{{ include "pd-appliance.keysVolume" $ctx }}
+- name: shm  # NCCL and vLLM's workers talk through /dev/shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ $r.shmSize }}
+- name: model
+{{- if eq $v.model.volume.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ $v.model.volume.claimName }}
+    readOnly: true
+{{- else }}
+  hostPath:
+    path: {{ $v.model.volume.hostPath }}
+    type: Directory
+{{- end }}
+{{- if eq (index . 1) "prefill" }}
+- name: bootstrap-tmp
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{/* The sidecar P's workers register with and the proxy and D query (same pod IP). */}}
+{{- define "pd-appliance.bootstrapContainer" -}}
+{{- $v := .Values -}}
+- name: bootstrap
+  image: {{ include "pd-appliance.slimImage" . }}
+  imagePullPolicy: {{ $v.images.pullPolicy }}
+  args:
+    - python
+    - -m
+    - appliance.bootstrap
+    - --host
+    - $(POD_IP)
+    - --port
+    - {{ $v.ports.bootstrap | int | quote }}
+    - --ttl
+    - {{ $v.bootstrap.ttlS | int | quote }}
+    - --token-file
+    - {{ include "pd-appliance.keysDir" . }}/bootstrap-token
+  env:
+    - name: POD_IP
+      valueFrom: {fieldRef: {fieldPath: status.podIP}}
+  ports:
+    - {name: bootstrap, containerPort: {{ $v.ports.bootstrap }}, protocol: TCP}
+  readinessProbe:
+    httpGet: {path: /health, port: bootstrap}
+    periodSeconds: 5
+    timeoutSeconds: 5
+    failureThreshold: 3
+  livenessProbe:
+    httpGet: {path: /health, port: bootstrap}
+    periodSeconds: 10
+    timeoutSeconds: 5
+    failureThreshold: 3
+  resources:
+    {{- toYaml $v.bootstrap.resources | nindent 4 }}
+  {{- include "pd-appliance.slimSecurityContext" . | nindent 2 }}
+  volumeMounts:
+    {{- include "pd-appliance.keysMount" . | nindent 4 }}
+    - {name: bootstrap-tmp, mountPath: /tmp}
+{{- end -}}

@@ -1,0 +1,71 @@
+{{/* P's and D's Deployment. A Deployment, not a StatefulSet: each pod's name is its
+     engine id, so a replacement pod is a new engine (no stale KV or side-channel addresses
+     under an old id), it comes up at once when a node dies (a StatefulSet waits until the
+     old pod is known gone), and nothing per pod is stored. maxSurge 0: a surge pod would
+     need GPUs beside the old ones; the PodDisruptionBudget bounds voluntary evictions. */}}
+{{- define "pd-appliance.vllmDeployment" -}}
+{{- $ctx := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- $v := $ctx.Values -}}
+{{- $r := index $v $role -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "pd-appliance.componentName" . }}
+  labels:
+    {{- include "pd-appliance.labels" . | nindent 4 }}
+spec:
+  replicas: {{ $r.replicas | int }}
+  revisionHistoryLimit: 3
+  strategy:
+    type: RollingUpdate
+    rollingUpdate: {maxSurge: 0, maxUnavailable: 1}
+  selector:
+    matchLabels:
+      {{- include "pd-appliance.selectorLabels" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "pd-appliance.labels" . | nindent 8 }}
+      {{- with (include "pd-appliance.podAnnotations" (list $ctx $r.podAnnotations) | trim) }}{{ . | nindent 6 }}{{ end }}
+    spec:
+      automountServiceAccountToken: false  # P and D never talk to the API server
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: 60
+      {{- with (include "pd-appliance.pullSecrets" $ctx | trim) }}{{ . | nindent 6 }}{{ end }}
+      {{- include "pd-appliance.podSecurityContext" $ctx | nindent 6 }}
+      {{- with (include "pd-appliance.scheduling" . | trim) }}{{ . | nindent 6 }}{{ end }}
+      containers:
+        - name: vllm
+          image: {{ include "pd-appliance.vllmImage" $ctx }}
+          imagePullPolicy: {{ $v.images.pullPolicy }}
+          args:
+            {{- include "pd-appliance.vllmArgs" . | nindent 12 }}
+          env:
+            {{- include "pd-appliance.vllmEnv" . | nindent 12 }}
+          ports:
+            - {name: http, containerPort: {{ index $v.ports $role | int }}, protocol: TCP}
+          {{- include "pd-appliance.httpProbes" (list "http" (div (add (int $v.timeouts.startupS) 9) 10)) | trim | nindent 10 }}
+          resources:
+            {{- include "pd-appliance.vllmResources" . | nindent 12 }}
+          securityContext:
+            allowPrivilegeEscalation: false
+            {{- if eq $v.transfer.protocol "rdma" }}
+            capabilities:  # RDMA pins (registers) GPU and host memory
+              add: [IPC_LOCK]
+            {{- end }}
+          volumeMounts:
+            {{- include "pd-appliance.keysMount" $ctx | nindent 12 }}
+            - {name: shm, mountPath: /dev/shm}
+            - name: model
+              mountPath: {{ $v.model.path }}
+              readOnly: true
+              {{- with $v.model.volume.subPath }}
+              subPath: {{ . }}
+              {{- end }}
+        {{- if eq $role "prefill" }}
+        {{- include "pd-appliance.bootstrapContainer" $ctx | nindent 8 }}
+        {{- end }}
+      volumes:
+        {{- include "pd-appliance.vllmVolumes" . | nindent 8 }}
+{{- end -}}

@@ -1,0 +1,53 @@
+"""What only `helm install` renders (NOTES.txt) and what depends on the cluster's version
+(PodDisruptionBudget's API), checked offline."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.charts.cases import KEYS
+from tests.charts.helmtool import CHART, Helm
+from tests.charts.objects import of_kind
+
+
+def _notes(helm: Helm, tmp_path: Path, values: dict[str, object]) -> str:
+    """NOTES.txt rendered as `helm install` would: a copy of the chart with the notes
+    turned into a template (helm template leaves NOTES.txt out)."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "NOTES.txt").rename(chart / "notes.txt")
+    (chart / "templates" / "notes-check.yaml").write_text(
+        'notes: |\n{{ tpl (.Files.Get "notes.txt") . | indent 2 }}\n')
+    result = helm.template(values, "pd", chart, "--show-only", "templates/notes-check.yaml")
+    assert result.rc == 0, result.out
+    (doc,) = result.docs()
+    return str(doc["notes"])
+
+
+def test_notes_defaults(helm: Helm, tmp_path: Path) -> None:
+    notes = _notes(helm, tmp_path, {})
+    assert "svc/pd-pd-appliance-proxy 8000" in notes
+    assert "create secret generic pd-appliance-keys --from-file=keys/" in notes
+    assert "podNetworkCidrs is empty" in notes
+
+
+def test_notes_inline_keys_and_no_network_policy(helm: Helm, tmp_path: Path) -> None:
+    notes = _notes(helm, tmp_path, {"keys": {"existingSecret": "", **KEYS},
+                                    "podNetworkCidrs": ["10.244.0.0/16"],
+                                    "networkPolicy": {"enabled": False}})
+    assert "create secret" not in notes and "podNetworkCidrs" not in notes
+    assert "17000-17199" in notes
+    for value in KEYS.values():
+        assert value not in notes
+
+
+@pytest.mark.parametrize(("kube", "api"), [("1.20.2", "policy/v1beta1"),
+                                           ("1.21.0", "policy/v1"), ("1.33.0", "policy/v1")])
+def test_pdb_api_follows_the_cluster(helm: Helm, kube: str, api: str) -> None:
+    result = helm.template({}, "pd", CHART, "--kube-version", kube)
+    assert result.rc == 0, result.out
+    pdbs = of_kind(result.docs(), "PodDisruptionBudget")
+    assert [p["apiVersion"] for p in pdbs] == [api] * 3

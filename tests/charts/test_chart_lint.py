@@ -1,0 +1,70 @@
+"""helm lint --strict and helm template over the values matrix, and bad values refused with
+a message that names the problem."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.charts.cases import CASES, KEYS, Rendered
+from tests.charts.helmtool import Helm
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_lint_strict(helm: Helm, name: str) -> None:
+    result = helm.lint(CASES[name].values)
+    assert result.rc == 0, result.out
+    assert "0 chart(s) failed" in result.out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_template_renders_every_kind(rendered: Rendered, name: str) -> None:
+    kinds = sorted({d["kind"] for d in rendered(name)})
+    expected = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
+                "PodDisruptionBudget", "NetworkPolicy"}
+    assert expected <= set(kinds)
+    assert ("Secret" in kinds) == (name == "inline-keys")
+
+
+# Per-field problems are the schema's (helm lint finds them too); rules across fields are the
+# templates' `fail`, which helm lint deliberately does not run (lint mode logs a fail).
+BAD: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "unknown key": ({"model": {"tpsize": 2}}, ["tpsize", "not allowed"]),
+    "unknown top-level key": ({"replicas": 2}, ["replicas", "not allowed"]),
+    "stack tpu": ({"stack": "tpu"}, ["stack", '"gpu", "cpu"']),
+    "negative replicas": ({"decode": {"replicas": -1}}, ["decode.replicas", "0"]),
+    "tp zero": ({"model": {"tpSize": 0}}, ["model.tpSize"]),
+    "policy": ({"proxy": {"policy": "random"}}, ["proxy.policy"]),
+    "service type": ({"proxy": {"service": {"type": "ExternalName"}}},
+                     ["proxy.service.type"]),
+    "port": ({"ports": {"decode": 70000}}, ["ports.decode"]),
+    "both key sources": ({"keys": KEYS}, ["not both", "keys.existingSecret"]),
+    "neither key source": ({"keys": {"existingSecret": ""}},
+                           ["no keys", "keys.existingSecret", "kubectl create secret"]),
+    "half the keys": ({"keys": {"existingSecret": "", "apiKey": "x"}}, ["go together"]),
+    "cpu with rdma": ({"stack": "cpu", "transfer": {"protocol": "rdma"}},
+                      ["transfer.protocol", "tcp"]),
+    "managed flag": ({"model": {"decodeExtraArgs": ["--port=9"]}},
+                     ["model.decodeExtraArgs", "--port"]),
+    "pvc without claim": ({"model": {"volume": {"type": "pvc", "claimName": ""}}},
+                          ["model.volume.claimName"]),
+    "short port range": ({"transfer": {"portRange": [17000, 17010]}},
+                         ["transfer.portRange", "32"]),
+    "bad cidr": ({"podNetworkCidrs": ["10.244.0.0"]}, ["podNetworkCidrs"]),
+}
+
+
+ACROSS_FIELDS = {"both key sources", "neither key source", "half the keys", "cpu with rdma",
+                 "managed flag", "pvc without claim", "short port range"}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_values_refused(helm: Helm, name: str) -> None:
+    values, words = BAD[name]
+    result = helm.template(values)
+    assert result.rc != 0, f"rendered despite {name}"
+    for word in words:
+        assert word in result.out, result.out
+    if name not in ACROSS_FIELDS:
+        assert helm.lint(values).rc != 0
