@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -34,6 +34,7 @@ from appliance.netaddr import host_port
 from appliance.pdctl.config import (
     ClusterPart,
     ComposeSection,
+    Devices,
     HostConfig,
     HostSection,
     ImagesSection,
@@ -42,7 +43,9 @@ from appliance.pdctl.config import (
     Stack,
     TimeoutsSection,
     TransferSection,
+    engine_id,
     load_validated,
+    nonempty_instances,
     validated,
 )
 from appliance.pdctl.errors import ConfigError
@@ -50,7 +53,6 @@ from appliance.pdctl.sections import _Section
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
-Devices = list[Annotated[int, Field(ge=0)]]
 
 
 class ClusterHost(HostSection):
@@ -62,9 +64,7 @@ class ClusterHost(HostSection):
     @field_validator("prefill", "decode")
     @classmethod
     def _nonempty(cls, v: list[Devices]) -> list[Devices]:
-        if any(not devices for devices in v):
-            raise ValueError("each instance needs at least one GPU (or CPU)")
-        return v
+        return nonempty_instances(v)
 
 
 class ProxyPlacement(_Section):
@@ -178,7 +178,7 @@ class ClusterDescription(_Section):
                                      ("decode", "decode", len(h.decode)),
                                      ("bootstrap", "prefill", len(h.prefill))):
             for n in range(count):
-                port = getattr(self.ports, port_of) + n
+                port = self.ports.of(port_of, n)
                 what = f"{role}[{n}]" + ("'s sidecar" if port_of == "bootstrap" else "")
                 if port in used:
                     out.append(f"hosts[{i}].{role}[{n}]: port {port} is also {used[port]}'s "
@@ -189,20 +189,24 @@ class ClusterDescription(_Section):
         return out
 
     def plan(self) -> ClusterPlan:
-        instances = []
-        for h in self.hosts:
-            for role in ROLES:
-                for n, devices in enumerate(getattr(h, role)):
-                    instances.append(Instance(
-                        host=h.name, role=role, index=n, devices=tuple(devices),
-                        url=f"http://{host_port(h.ip, getattr(self.ports, role) + n)}",
-                        engine_id=f"{h.name}-{role}-{n}",
-                        bootstrap_url=(f"http://{host_port(h.ip, self.ports.bootstrap + n)}"
-                                       if role == "prefill" else None)))
+        instances = [i for h in self.hosts
+                     for i in _instances(h.name, h.ip, self.ports, h.prefill, h.decode)]
         proxy_host = next(h for h in self.hosts if h.name == self.proxy.host)
         return ClusterPlan(tuple(instances),
                            proxy_url=f"http://{host_port(proxy_host.ip, self.ports.proxy)}",
                            proxy_host=proxy_host.name, policy=self.proxy.policy)
+
+
+def _instances(host: str, ip: str, ports: PortsSection, prefill: list[Devices],
+               decode: list[Devices]) -> list[Instance]:
+    """One host's instances: where each listens (its sidecar too), its engine id."""
+    return [Instance(host=host, role=role, index=n, devices=tuple(devices),
+                     url=f"http://{host_port(ip, ports.of(role, n))}",
+                     engine_id=engine_id(host, role, n),
+                     bootstrap_url=(f"http://{host_port(ip, ports.of('bootstrap', n))}"
+                                    if role == "prefill" else None))
+            for role, lists in (("prefill", prefill), ("decode", decode))
+            for n, devices in enumerate(lists)]
 
 
 @dataclass(frozen=True)
@@ -245,18 +249,11 @@ def host_plan(cfg: HostConfig) -> ClusterPlan:
     """What one cluster host runs (its config's [cluster] part), as the cluster plan names
     it: `pdctl status` there reports on these."""
     assert cfg.cluster is not None
-    instances = []
-    for role in ROLES:
-        for n, devices in enumerate(cfg.instances(role)):
-            instances.append(Instance(
-                host=cfg.host.name, role=role, index=n, devices=tuple(devices),
-                url=f"http://{host_port(cfg.host.ip, getattr(cfg.ports, role) + n)}",
-                engine_id=f"{cfg.host.name}-{role}-{n}",
-                bootstrap_url=(f"http://{host_port(cfg.host.ip, cfg.ports.bootstrap + n)}"
-                               if role == "prefill" else None)))
     proxy = (f"http://{host_port(cfg.host.ip, cfg.ports.proxy)}" if cfg.cluster.proxy
              else None)
-    return ClusterPlan(tuple(instances), proxy, cfg.host.name, cfg.cluster.policy)
+    return ClusterPlan(tuple(_instances(cfg.host.name, cfg.host.ip, cfg.ports,
+                                        cfg.cluster.prefill, cfg.cluster.decode)),
+                       proxy, cfg.host.name, cfg.cluster.policy)
 
 
 def load_cluster(path: Path) -> ClusterDescription:

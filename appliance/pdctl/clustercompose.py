@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from appliance.pdctl.config import HostConfig
+from appliance.pdctl.config import HostConfig, engine_id
 
 ROLES = ("prefill", "decode")
 # The values that differ between two instances of a role on one host.
@@ -44,19 +44,14 @@ def instance_env(cfg: HostConfig) -> dict[str, str]:
         for n, devices in enumerate(cfg.instances(role)):
             key = f"PD_{role.upper()}_{n}"
             listed = ",".join(map(str, devices))
-            out[f"{key}_PORT"] = str(getattr(cfg.ports, role) + n)
+            out[f"{key}_PORT"] = str(cfg.ports.of(role, n))
             # Both set, as for a 1P1D node: compose interpolates the GPU reservation before
             # the CPU override resets it.
             out[f"{key}_GPUS"] = out[f"{key}_CPUS"] = listed
             out[f"{key}_ENGINE_ID"] = engine_id(cfg.host.name, role, n)
             if role == "prefill":
-                out[f"PD_BOOTSTRAP_{n}_PORT"] = str(cfg.ports.bootstrap + n)
+                out[f"PD_BOOTSTRAP_{n}_PORT"] = str(cfg.ports.of("bootstrap", n))
     return out
-
-
-def engine_id(host: str, role: str, index: int) -> str:
-    """As the cluster plan names it (appliance.pdctl.cluster)."""
-    return f"{host}-{role}-{index}"
 
 
 def _renamed(value: Any, n: int, *prefixes: str) -> Any:

@@ -182,6 +182,13 @@ class CpusSection(_Section):
 Devices = list[Annotated[int, Field(ge=0)]]
 
 
+def nonempty_instances(v: list[Devices]) -> list[Devices]:
+    """Instances as device lists: each has at least one."""
+    if any(not devices for devices in v):
+        raise ValueError("each instance needs at least one GPU (or CPU)")
+    return v
+
+
 class ClusterPart(_Section):
     """This host's part of a cluster: `pdctl render --cluster` writes it from the cluster
     description (edit that, not this). Absent: the host is a 1P1D node (gpus / cpus)."""
@@ -203,9 +210,7 @@ class ClusterPart(_Section):
     @field_validator("prefill", "decode")
     @classmethod
     def _nonempty(cls, v: list[Devices]) -> list[Devices]:
-        if any(not devices for devices in v):
-            raise ValueError("each instance needs at least one GPU (or CPU)")
-        return v
+        return nonempty_instances(v)
 
     def problems(self) -> list[str]:
         out = []
@@ -218,6 +223,11 @@ class ClusterPart(_Section):
             out.append("cluster.sidecars: decode runs here and must know which bootstrap "
                        "sidecars to accept")
         return out
+
+
+def engine_id(host: str, role: str, index: int) -> str:
+    """A cluster instance's engine id (a 1P1D node's are `<host>-<role>`)."""
+    return f"{host}-{role}-{index}"
 
 
 class HostConfig(_Section):
@@ -240,6 +250,16 @@ class HostConfig(_Section):
         if self.cluster is not None:
             return getattr(self.cluster, role)
         return [getattr(self.cpus if self.stack == "cpu" else self.gpus, role)]
+
+    def service_ports(self) -> dict[str, int]:
+        """Each service this host runs -> the port it listens on."""
+        if self.cluster is None:
+            return self.ports.model_dump()
+        out = {f"{svc}-{n}": self.ports.of(svc, n) for svc in ("prefill", "bootstrap", "decode")
+               for n in range(len(self.instances("prefill" if svc == "bootstrap" else svc)))}
+        if self.cluster.proxy:
+            out["proxy"] = self.ports.proxy
+        return out
 
     def device_fields(self) -> list[tuple[str, list[int]]]:
         """(field, devices) of every instance this host runs, as problems name them."""
@@ -311,7 +331,7 @@ class HostConfig(_Section):
                         out.append(f"{where}: {kind} {dev} is also {owner[dev]}")
                     owner.setdefault(dev, where)
                 for port_of in (role, "bootstrap") if role == "prefill" else (role,):
-                    port = getattr(self.ports, port_of) + n
+                    port = self.ports.of(port_of, n)
                     if port in ports:
                         out.append(f"{where}: port {port} (ports.{port_of} + {n}) is also "
                                    f"{ports[port]}'s")

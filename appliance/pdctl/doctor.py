@@ -236,7 +236,7 @@ def check_memlock(cfg: HostConfig | None, probe: HostProbe) -> Check:
 
 def check_ports(cfg: HostConfig | None, probe: HostProbe) -> Check:
     name = "ports"
-    ports = (cfg.ports if cfg is not None else PortsSection()).model_dump()
+    ports = cfg.service_ports() if cfg is not None else PortsSection().model_dump()
     listening = probe.listening_ports()
     if listening is None:
         return _skip(name, "cannot read /proc/net/tcp")

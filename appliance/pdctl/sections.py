@@ -68,6 +68,11 @@ class PortsSection(_Section):
     decode: Port = 8020
     bootstrap: Port = 8998
 
+    def of(self, service: str, index: int = 0) -> int:
+        """Where instance `index` of "prefill", "decode" or "bootstrap" (P index's sidecar)
+        listens: the role's port + index."""
+        return int(getattr(self, service)) + index
+
 
 class TimeoutsSection(_Section):
     # How long `pdctl up` waits for every service to be healthy (first start loads weights).

@@ -230,3 +230,11 @@ def test_kubernetes_values_for_the_same_cluster(pdctl, tmp_path):
     assert values["keys"]["existingSecret"]
     for key in (tmp_path / "cluster" / "keys").iterdir():
         assert key.read_text().strip() not in text
+
+
+def test_doctor_checks_the_ports_of_the_hosts_instances(cluster, pdctl, host):
+    """b runs decode-0 and decode-1 (8020, 8021), not the proxy: 8021 taken is named."""
+    host.listening(8021, 8000)
+    res = pdctl("doctor", "--config", str(cluster(TWO_HOSTS) / "b" / "host.toml"))
+    line = next(x for x in res.stdout.splitlines() if "ports" in x and "in use" in x)
+    assert "8021 (decode-1)" in line and "8000" not in line
