@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from appliance.netaddr import host_port
 from appliance.pdctl.config import (
@@ -38,6 +38,7 @@ from appliance.pdctl.config import (
     HostConfig,
     HostSection,
     ImagesSection,
+    InstanceLists,
     ModelSection,
     PortsSection,
     Stack,
@@ -45,7 +46,6 @@ from appliance.pdctl.config import (
     TransferSection,
     engine_id,
     load_validated,
-    nonempty_instances,
     validated,
 )
 from appliance.pdctl.errors import ConfigError
@@ -55,16 +55,9 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
-class ClusterHost(HostSection):
+class ClusterHost(HostSection, InstanceLists):
     gpus: int = Field(0, ge=0, le=64)  # the host's GPUs (stack "gpu")
     cpus: int = Field(0, ge=0, le=4096)  # the host's CPUs (stack "cpu")
-    prefill: list[Devices] = Field(default_factory=list)
-    decode: list[Devices] = Field(default_factory=list)
-
-    @field_validator("prefill", "decode")
-    @classmethod
-    def _nonempty(cls, v: list[Devices]) -> list[Devices]:
-        return nonempty_instances(v)
 
 
 class ProxyPlacement(_Section):

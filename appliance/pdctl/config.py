@@ -182,23 +182,27 @@ class CpusSection(_Section):
 Devices = list[Annotated[int, Field(ge=0)]]
 
 
-def nonempty_instances(v: list[Devices]) -> list[Devices]:
-    """Instances as device lists: each has at least one."""
-    if any(not devices for devices in v):
-        raise ValueError("each instance needs at least one GPU (or CPU)")
-    return v
+class InstanceLists(_Section):
+    """A host's P and D instances: one device list (GPUs, or CPUs on stack "cpu") each.
+    Instance i listens on ports.<role> + i and has engine id `<host>-<role>-<i>`; P
+    instance i has its own bootstrap sidecar on ports.bootstrap + i."""
+
+    prefill: list[Devices] = Field(default_factory=list)
+    decode: list[Devices] = Field(default_factory=list)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _nonempty(cls, v: list[Devices]) -> list[Devices]:
+        if any(not devices for devices in v):
+            raise ValueError("each instance needs at least one GPU (or CPU)")
+        return v
 
 
-class ClusterPart(_Section):
+class ClusterPart(InstanceLists):
     """This host's part of a cluster: `pdctl render --cluster` writes it from the cluster
     description (edit that, not this). Absent: the host is a 1P1D node (gpus / cpus)."""
 
     cluster: str = ""  # the description it came from, for the reader
-    # One device list (GPUs, or CPUs on stack "cpu") per instance; instance i listens on
-    # ports.<role> + i and has engine id `<host.name>-<role>-<i>`; P instance i has its own
-    # bootstrap sidecar on ports.bootstrap + i.
-    prefill: list[Devices] = Field(default_factory=list)
-    decode: list[Devices] = Field(default_factory=list)
     proxy: bool = False  # the proxy runs here
     policy: Literal["round_robin", "least_outstanding"] = "round_robin"
     # The proxy's backends (where it runs): P as "URL,BOOTSTRAP_URL", D as "URL".
@@ -206,11 +210,6 @@ class ClusterPart(_Section):
     decode_backends: list[str] = Field(default_factory=list)
     # The sidecars this host's D instances accept bootstraps from (every host's with a P).
     sidecars: list[str] = Field(default_factory=list)
-
-    @field_validator("prefill", "decode")
-    @classmethod
-    def _nonempty(cls, v: list[Devices]) -> list[Devices]:
-        return nonempty_instances(v)
 
     def problems(self) -> list[str]:
         out = []

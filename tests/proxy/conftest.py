@@ -30,6 +30,20 @@ FAST = {
 }
 
 
+async def until(check: Callable[[], Awaitable[bool] | bool], timeout: float = 5.0) -> None:
+    """Poll until check() holds; fail past a generous deadline (never a timing assert)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
 class Cluster:
     def __init__(self, prefill: list[FakeVLLM], bootstraps: list[FakeBootstrap],
                  decode: list[FakeVLLM], proxy: RunningProxy,
@@ -49,16 +63,7 @@ class Cluster:
 
     async def wait_for(self, check: Callable[[], Awaitable[bool] | bool],
                        timeout: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            result = check()
-            if not isinstance(result, bool):
-                result = await result
-            if result:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError("condition not met in time")
-            await asyncio.sleep(0.02)
+        await until(check, timeout)
 
     async def health_status(self) -> int:
         async with self.http.get(f"{self.url}/health") as r:

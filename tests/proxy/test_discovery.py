@@ -5,9 +5,7 @@ watch survives bookmarks, a 410 expiry, a dropped stream, a rotated token and an
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.server import serve
 from appliance.proxy.settings import KubernetesSettings, ProxySettings, load_settings
 from tests.proxy.conftest import FAST
+from tests.proxy.conftest import until as wait_until
 from tests.proxy.fakes import FakeBootstrap, FakeVLLM
 from tests.proxy.k8s_api import FakeKubeApi
 
@@ -35,16 +34,7 @@ SELECTORS = {"prefill_selector": "app.kubernetes.io/instance=r,"
 
 
 async def until(check: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0) -> None:
-    """Poll until check() holds; fail past a generous deadline (never a timing assert)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+    await wait_until(check, timeout)
 
 
 @pytest.fixture
