@@ -63,6 +63,7 @@ async def ask(args: dict) -> dict:
 
     timeout = aiohttp.ClientTimeout(total=args.get("timeout", 300))
     async with aiohttp.ClientSession(timeout=timeout) as http:
+        print("sending", file=sys.stderr, flush=True)  # a test may act on this moment
         answers = await asyncio.gather(*(one(http, p) for p in args["prompts"]))
     return {"answers": answers}
 

@@ -152,7 +152,10 @@ def test_a_prefill_killed_mid_run_is_routed_around(cluster, expected):
     prompts, want = expected
     driver = running.start_driver(host, {"op": "ask", "proxy": proxy, "prompts": prompts,
                                          "max_tokens": MAX_TOKENS, "concurrency": 8})
-    time.sleep(1.0)  # p0 has answered its prefills; their KV waits DELAY_MS to be written
+    assert driver.stderr is not None
+    while "sending" not in driver.stderr.readline():  # the driver has started its requests
+        assert driver.poll() is None, driver.communicate()
+    time.sleep(0.6)  # p0 has answered its prefills; their KV waits DELAY_MS to be written
     killed = time.monotonic()
     running.kill("p0/prefill-0")
     out, err = driver.communicate(timeout=300)
