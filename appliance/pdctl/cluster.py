@@ -24,6 +24,7 @@ sidecar on `ports.bootstrap + i`. Problems come one line each (`parse_cluster`).
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -100,8 +101,16 @@ class ClusterDescription(_Section):
             if here else [],
             decode_backends=[d.url for d in plan.of("decode")] if here else [],
             sidecars=plan.sidecars if h.decode else [])
+        host = h.model_dump(include=set(HostSection.model_fields))
+        if h.prefill and not h.internal_networks:
+            # P writes only into a Mooncake session at the address D's request came from;
+            # a D host's side channel may leave from another of its addresses than its
+            # session's (another NIC, or 127.0.0.1 on one machine), so P also accepts the
+            # D hosts' own addresses, and nothing else.
+            host["internal_networks"] = sorted({
+                str(ipaddress.ip_network(d.ip)) for d in self.hosts if d.decode})
         return validated(HostConfig, {
-            "stack": self.stack, "host": h.model_dump(include=set(HostSection.model_fields)),
+            "stack": self.stack, "host": host,
             "model": self.model.model_dump(exclude_none=True),
             "transfer": self.transfer.model_dump(), "ports": self.ports.model_dump(),
             "timeouts": self.timeouts.model_dump(),

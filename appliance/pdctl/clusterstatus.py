@@ -13,7 +13,20 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.pdctl.cluster import ClusterPlan
-from appliance.pdctl.status import Reply, fetch
+from appliance.pdctl.status import Reply, counters, fetch, metric_samples
+
+# The transfer counters each instance shows (appliance/connector/stats.py), and the ones
+# that mean KV did not move: D then recomputes the prompt (kv_load_failure_policy), so the
+# answer is right and only these counters tell.
+_KV = {"prefill": (("sent", "vllm:pd_kv_transfers_total"),
+                   ("refused", "vllm:pd_side_channel_rejected_total"),
+                   ("failed", "vllm:pd_kv_failed_transfers_total")),
+       "decode": (("received", "vllm:pd_kv_received_total"),
+                  ("failed", "vllm:pd_kv_failed_receives_total"))}
+_KV_WARNINGS = {
+    "refused": "refused {n:.0f} side-channel messages (its log says why: a D's session "
+               "address outside host.internal_networks, or a wrong key)",
+    "failed": "{n:.0f} KV transfers failed (D recomputed those prompts itself)"}
 
 
 @dataclass
@@ -24,12 +37,15 @@ class Member:
     healthy: bool
     health: str
     in_rotation: bool | None = None  # P and D: as the proxy says; None: unknown
+    kv: dict[str, float] = field(default_factory=dict)  # P and D: transfer counters
 
 
 @dataclass
 class ClusterStatus:
     members: list[Member]
     problems: list[str] = field(default_factory=list)
+    # Serving, but not as it should (counters since start): shown, the exit code unchanged.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
@@ -49,15 +65,22 @@ def _health(reply: Reply) -> tuple[bool, str]:
 def gather(plan: ClusterPlan, headers: Mapping[str, str] | None = None,
            timeout: float = 3.0) -> ClusterStatus:
     members: list[Member] = []
+    warnings: list[str] = []
     for inst in plan.instances:
         ok, why = _health(fetch(f"{inst.url}/health", timeout))
-        members.append(Member(f"{inst.host}/{inst.role}-{inst.index}", inst.url,
-                              ",".join(map(str, inst.devices)), ok, why))
+        member = Member(f"{inst.host}/{inst.role}-{inst.index}", inst.url,
+                        ",".join(map(str, inst.devices)), ok, why)
+        if ok:
+            member.kv = counters(metric_samples(fetch(f"{inst.url}/metrics", timeout).body),
+                                 _KV[inst.role])
+            warnings += [f"{member.name}: {_KV_WARNINGS[k].format(n=n)}"
+                         for k, n in member.kv.items() if k in _KV_WARNINGS and n]
+        members.append(member)
     for url in plan.sidecars:
         host = next(i.host for i in plan.of("prefill") if i.bootstrap_url == url)
         ok, why = _health(fetch(f"{url}/health", timeout))
         members.append(Member(f"{host}/bootstrap", url, "", ok, why))
-    status = ClusterStatus(members)
+    status = ClusterStatus(members, warnings=warnings)
     if plan.proxy_url is None:  # a host without the proxy: nothing to ask about rotation
         return status
     reply = fetch(f"{plan.proxy_url}/status", timeout, headers)
@@ -93,12 +116,15 @@ def add_containers(status: ClusterStatus, states: Mapping[str, Any],
 
 def render_table(status: ClusterStatus, console: Console) -> None:
     table = Table(title="cluster " + ("healthy" if status.healthy else "NOT healthy"))
-    for col in ("member", "url", "devices", "health", "in rotation"):
+    for col in ("member", "url", "devices", "health", "in rotation", "kv"):
         table.add_column(col)
     for m in status.members:
         rotation = "-" if m.in_rotation is None else ("yes" if m.in_rotation else "NO")
+        kv = ", ".join(f"{k} {v:.0f}" for k, v in m.kv.items())
         table.add_row(m.name, m.url, m.devices, m.health if m.healthy else f"[red]{m.health}",
-                      rotation)
+                      rotation, kv)
     console.print(table)
     for line in status.problems:
         console.print(f"[red]problem:[/] {line}")
+    for line in status.warnings:
+        console.print(f"[yellow]warning:[/] {line}")

@@ -7,7 +7,7 @@ import json
 import ssl
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -111,7 +111,7 @@ def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
         return []
 
 
-def _sum(samples: list[tuple[str, dict[str, str], float]], name: str,
+def sum_samples(samples: list[tuple[str, dict[str, str], float]], name: str,
          **match: str) -> float | None:
     values = [v for n, labels, v in samples
               if n == name and all(labels.get(k) == want for k, want in match.items())]
@@ -138,13 +138,14 @@ _TRANSFER_COUNTERS = {
 }
 
 
-def _transfer_counters(samples: list[tuple[str, dict[str, str], float]],
-                       role: str) -> dict[str, float]:
+def counters(samples: list[tuple[str, dict[str, str], float]],
+             named: Sequence[tuple[str, str]], prefix: str = "") -> dict[str, float]:
+    """{prefix + label: the series' sum} for each (label, metric) present."""
     out: dict[str, float] = {}
-    for label, metric in _TRANSFER_COUNTERS[role]:
-        value = _sum(samples, metric)
+    for label, metric in named:
+        value = sum_samples(samples, metric)
         if value is not None:
-            out[f"{role}.{label}"] = value
+            out[prefix + label] = value
     return out
 
 
@@ -191,10 +192,10 @@ def gather(endpoints: Endpoints, processes: Mapping[str, ProcessState] | None, m
             samples = metric_samples(fetch(f"{url}/metrics", timeout).body)
             parts = []
             for label, metric in _VLLM_GAUGES:
-                value = _sum(samples, metric)
+                value = sum_samples(samples, metric)
                 if value is not None:
                     parts.append(f"{label} {value:.0f}")
-            transfers = _transfer_counters(samples, name)
+            transfers = counters(samples, _TRANSFER_COUNTERS[name], f"{name}.")
             status.counters.update(transfers)
             parts += [f"{k.split('.', 1)[1]} {v:.0f}" for k, v in transfers.items()]
             svc.detail = ", ".join(parts)
@@ -218,7 +219,7 @@ def _proxy_details(status: NodeStatus, svc: ServiceStatus, url: str, timeout: fl
                  if n == "pd_proxy_requests_total" and not labels.get("status", "").startswith("2"))
     status.counters.update({"requests_ok": ok, "requests_failed": failed})
     for label, metric in _PROXY_COUNTERS:
-        status.counters[label] = _sum(samples, metric) or 0.0
+        status.counters[label] = sum_samples(samples, metric) or 0.0
     ready = {role: sum(1 for b in status.backends if b["role"] == role and b.get("in_rotation"))
              for role in ("prefill", "decode")}
     total = {role: sum(1 for b in status.backends if b["role"] == role)

@@ -54,6 +54,7 @@ vllm:pd_kv_failed_receives_total{engine="0",model_name="qwen"} 1.0
 class FakeVLLM:
     role: str
     healthy: bool = True
+    extra_metrics: str = ""  # appended to the role's /metrics
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -62,7 +63,7 @@ class FakeVLLM:
             return web.Response(status=200 if self.healthy else 503)
 
         async def metrics(_r: web.Request) -> web.Response:
-            return web.Response(text=VLLM_METRICS[self.role])
+            return web.Response(text=VLLM_METRICS[self.role] + self.extra_metrics)
 
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", metrics)

@@ -81,6 +81,10 @@ def test_every_host_gets_its_config_and_the_same_keys(cluster, pdctl, tmp_path):
     assert a.cluster is not None and b.cluster is not None
     assert (a.cluster.prefill, a.cluster.decode, a.cluster.proxy) == ([[0], [1]], [[2]], True)
     assert (b.cluster.prefill, b.cluster.decode, b.cluster.proxy) == ([], [[0], [3]], False)
+    # P accepts Mooncake sessions at the D hosts' addresses (a D's side channel may leave
+    # from another of its addresses); a host without a P needs none
+    assert a.host.internal_networks == ["10.0.0.11/32", "10.0.0.12/32"]
+    assert b.host.internal_networks == []
     for name in ("api-key", "bootstrap-token", "side-channel.key"):
         first = (out / "a" / "keys" / name).read_bytes()
         assert first == (out / "b" / "keys" / name).read_bytes() == \
@@ -238,3 +242,10 @@ def test_doctor_checks_the_ports_of_the_hosts_instances(cluster, pdctl, host):
     res = pdctl("doctor", "--config", str(cluster(TWO_HOSTS) / "b" / "host.toml"))
     line = next(x for x in res.stdout.splitlines() if "ports" in x and "in use" in x)
     assert "8021 (decode-1)" in line and "8000" not in line
+
+
+def test_a_p_hosts_own_internal_networks_are_kept(cluster):
+    """Given for a host (its D reach it from another network), they stand as written."""
+    out = cluster(TWO_HOSTS.replace('ip = "10.0.0.11"',
+                                    'ip = "10.0.0.11"\ninternal_networks = ["10.1.0.0/16"]'))
+    assert load_config(out / "a" / "host.toml").host.internal_networks == ["10.1.0.0/16"]

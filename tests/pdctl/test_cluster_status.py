@@ -61,7 +61,7 @@ def cluster(tmp_path: Path):
         settings = load_settings([*plan.proxy_args(), "--host", "127.0.0.1", "--port",
                                   str(ports["proxy"]), "--health-interval", "0.1"])
         servers.tcp(proxy_app(settings), ports["proxy"])
-        yield path, d1
+        yield path, d1, p
     finally:
         servers.close()
 
@@ -78,7 +78,7 @@ def _status(pdctl, path: Path, within: float = 10.0, healthy: bool = True):
 
 
 def test_the_whole_cluster_healthy(pdctl, cluster) -> None:
-    path, _ = cluster
+    path, *_ = cluster
     res, out = _status(pdctl, path)
     assert res.exit_code == 0, res.stdout
     assert [(m["name"], m["healthy"], m["in_rotation"]) for m in out["members"]] == [
@@ -89,8 +89,28 @@ def test_the_whole_cluster_healthy(pdctl, cluster) -> None:
     assert "cluster healthy" in table.stdout and "b/decode-1" in table.stdout
 
 
+def test_kv_counters_and_warnings_when_kv_did_not_move(pdctl, cluster) -> None:
+    """D recomputes a prompt whose KV did not come, so answers stay right: the counters of
+    refused side-channel messages and failed transfers are the only sign, shown as
+    warnings (the exit code stays 0)."""
+    path, _, p = cluster
+    p.extra_metrics = ("# TYPE vllm:pd_side_channel_rejected counter\n"
+                       'vllm:pd_side_channel_rejected_total{engine="0"} 10.0\n')
+    res, out = _status(pdctl, path)
+    assert res.exit_code == 0
+    kv = {m["name"]: m["kv"] for m in out["members"]}
+    assert kv["a/prefill-0"] == {"sent": 41, "refused": 10, "failed": 2}
+    assert kv["b/decode-0"] == {"received": 40, "failed": 1}
+    assert "a/prefill-0: refused 10 side-channel messages (its log says why: a D's " \
+           "session address outside host.internal_networks, or a wrong key)" in out["warnings"]
+    assert "b/decode-1: 1 KV transfers failed (D recomputed those prompts itself)" in \
+        out["warnings"]
+    table = pdctl("status", "--cluster", str(path)).stdout
+    assert "warning: a/prefill-0: refused 10" in table and "received 40" in table
+
+
 def test_an_unhealthy_instance_fails_the_cluster(pdctl, cluster) -> None:
-    path, d1 = cluster
+    path, d1, _ = cluster
     _status(pdctl, path)
     d1.healthy = False
     res, out = _status(pdctl, path, healthy=False)
@@ -100,7 +120,7 @@ def test_an_unhealthy_instance_fails_the_cluster(pdctl, cluster) -> None:
 
 
 def test_an_instance_the_proxy_does_not_know_is_a_problem(pdctl, cluster, tmp_path) -> None:
-    path, _ = cluster
+    path, *_ = cluster
     text = path.read_text().replace('ip = "127.0.0.2"\ncpus = 2', 'ip = "127.0.0.2"\n'
                                     'cpus = 3\nprefill = [[2]]')  # not in the proxy's list
     other = tmp_path / "other.toml"
