@@ -37,6 +37,7 @@ class RunningCluster:
     hosts: dict[str, Host]
     services: dict[str, ServiceProcess] = field(default_factory=dict)  # "<host>/<service>"
     log_dir: Path = Path()
+    description: Path = Path()  # the cluster description it was rendered from
 
     def driver(self, host: str, args: dict, timeout: float = 600) -> dict:
         """tests.e2e.cluster_driver inside `host` (the addresses exist only there)."""
@@ -46,6 +47,12 @@ class RunningCluster:
                              capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
         assert res.returncode == 0, res.stderr[-3000:] + self.tails()
         return json.loads(res.stdout.strip().splitlines()[-1])
+
+    def pdctl(self, host: str, *args: str) -> subprocess.CompletedProcess:
+        """pdctl inside `host`."""
+        return subprocess.run(self.hosts[host].run([sys.executable, "-m", "appliance.pdctl",
+                                                    *args]),
+                              capture_output=True, text=True, timeout=120, cwd=str(ROOT))
 
     def start_driver(self, host: str, args: dict) -> subprocess.Popen:
         return subprocess.Popen(self.hosts[host].run([sys.executable, "-m",
@@ -108,7 +115,8 @@ def bring_up(rendered: Path, hosts: dict[str, Host], log_dir: Path,
              extra_env: dict[str, dict[str, str]] | None = None) -> Iterator[RunningCluster]:
     """Every host's services as processes; all stopped (by process group) afterwards.
     `extra_env["<host>/<service>"]` adds to one service's environment (fault seams)."""
-    cluster = RunningCluster(hosts, log_dir=log_dir)
+    cluster = RunningCluster(hosts, log_dir=log_dir,
+                             description=rendered.parent / "cluster.toml")  # as render() wrote
     plan = []
     for name in hosts:
         for svc_name, svc in _resolved(rendered / name).items():

@@ -123,6 +123,19 @@ def test_parity_and_every_kv_moved_where_the_proxy_said(cluster, expected):
     # round robin: every node of the role there are two of served
     spread = Counter(p if shape == "2p1d" else d for _, p, d, _ in logged)
     assert len(spread) == 2 and min(spread.values()) >= 2, spread
+    # pdctl status --cluster, from a host of the cluster: all healthy and in rotation, the
+    # KV counted where it moved (vLLM publishes its counters with its next step), no warning
+    deadline = time.monotonic() + 15
+    while True:
+        res = running.pdctl(host, "status", "--cluster", str(running.description), "--json")
+        status = json.loads(res.stdout)
+        assert res.returncode == 0 and status["healthy"] and not status["warnings"], status
+        kv = [m["kv"] for m in status["members"]]
+        moved = (sum(k.get("sent", 0) for k in kv), sum(k.get("received", 0) for k in kv))
+        if min(moved) >= len(prompts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert min(moved) >= len(prompts), status
 
 
 def test_least_outstanding_spreads_too(cluster, expected, tmp_path):
