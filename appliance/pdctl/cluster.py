@@ -47,6 +47,7 @@ from appliance.pdctl.config import (
     TransferSection,
     engine_id,
     load_validated,
+    proxy_backend_args,
     validated,
 )
 from appliance.pdctl.errors import ConfigError
@@ -90,16 +91,15 @@ class ClusterDescription(_Section):
 
     def host_config(self, name: str, source: str = "") -> HostConfig:
         """The host config of one host: its instances, and where it runs the proxy, the
-        proxy's backends; every D accepts every P host's sidecar."""
+        proxy's backends; every D accepts every P's sidecar."""
         h = next(h for h in self.hosts if h.name == name)
         plan = self.plan()
         here = h.name == self.proxy.host
         part = ClusterPart(
             cluster=source, prefill=h.prefill, decode=h.decode, proxy=here,
             policy=self.proxy.policy,
-            prefill_backends=[f"{p.url},{p.bootstrap_url}" for p in plan.of("prefill")]
-            if here else [],
-            decode_backends=[d.url for d in plan.of("decode")] if here else [],
+            prefill_backends=plan.prefill_backends if here else [],
+            decode_backends=plan.decode_backends if here else [],
             sidecars=plan.sidecars if h.decode else [])
         host = h.model_dump(include=set(HostSection.model_fields))
         if h.prefill and not h.internal_networks:
@@ -237,14 +237,18 @@ class ClusterPlan:
         """Every P's bootstrap sidecar: what each D must accept."""
         return sorted({i.bootstrap_url for i in self.of("prefill") if i.bootstrap_url})
 
+    @property
+    def prefill_backends(self) -> list[str]:
+        """Every P as the proxy names it: "URL,BOOTSTRAP_URL"."""
+        return [f"{p.url},{p.bootstrap_url}" for p in self.of("prefill")]
+
+    @property
+    def decode_backends(self) -> list[str]:
+        return [d.url for d in self.of("decode")]
+
     def proxy_args(self) -> list[str]:
         """The proxy's backends, as its command line names them."""
-        args = ["--policy", self.policy]
-        for p in self.of("prefill"):
-            args += ["--prefill", f"{p.url},{p.bootstrap_url}"]
-        for d in self.of("decode"):
-            args += ["--decode", d.url]
-        return args
+        return proxy_backend_args(self.policy, self.prefill_backends, self.decode_backends)
 
 
 def host_plan(cfg: HostConfig) -> ClusterPlan:

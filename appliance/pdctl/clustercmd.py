@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from appliance.pdctl.clibase import Env, env_of
 from appliance.pdctl.config import HostConfig
+
+if TYPE_CHECKING:
+    from appliance.pdctl.clusterstatus import ClusterStatus
 from appliance.pdctl.errors import RUNTIME
 
 
@@ -22,10 +26,9 @@ def render(env: Env, path: Path, out_dir: Path | None, kubernetes: bool) -> None
     for f in render_cluster(desc, path.resolve(), out, kubernetes):
         env.out.print(f"pdctl: wrote {f}")
     for h in desc.hosts:
-        roles = ", ".join(f"{len(getattr(h, r))} {r}" for r in ("prefill", "decode")
-                          if getattr(h, r))
-        roles += (", " if roles else "") + ("the proxy" if h.name == desc.proxy.host else "")
-        env.out.print(f"pdctl: {h.name} ({h.ip}; {roles.rstrip(', ')}): copy "
+        runs = [f"{len(getattr(h, r))} {r}" for r in ("prefill", "decode") if getattr(h, r)]
+        runs += ["the proxy"] if h.name == desc.proxy.host else []
+        env.out.print(f"pdctl: {h.name} ({h.ip}; {', '.join(runs)}): copy "
                       f"{out.resolve() / h.name}/ to /etc/pd-appliance/ there, then `pdctl up`")
 
 
@@ -33,12 +36,7 @@ def status(ctx: click.Context, path: Path, as_json: bool) -> None:
     from appliance.pdctl import clusterstatus
     from appliance.pdctl.cluster import load_cluster
 
-    status = clusterstatus.gather(load_cluster(path).plan())
-    if as_json:
-        click.echo(json.dumps(status.as_dict(), indent=1))
-    else:
-        clusterstatus.render_table(status, env_of(ctx).out)
-    ctx.exit(0 if status.healthy else RUNTIME)
+    _report(ctx, clusterstatus.gather(load_cluster(path).plan()), as_json)
 
 
 def host_status(ctx: click.Context, cfg: HostConfig, as_json: bool) -> None:
@@ -55,6 +53,13 @@ def host_status(ctx: click.Context, cfg: HostConfig, as_json: bool) -> None:
                                      service_names(cfg))
     except DockerUnavailable as exc:
         status.problems.append(f"docker: {exc.lines[0]}")
+    _report(ctx, status, as_json)
+
+
+def _report(ctx: click.Context, status: ClusterStatus, as_json: bool) -> None:
+    """Table or JSON; exit 1 unless healthy."""
+    from appliance.pdctl import clusterstatus
+
     if as_json:
         click.echo(json.dumps(status.as_dict(), indent=1))
     else:

@@ -30,11 +30,7 @@ def _service(role: str, n: int) -> str:
 
 def service_names(cfg: HostConfig) -> tuple[str, ...]:
     """The compose services this host runs, in start order."""
-    if cfg.cluster is None:
-        return ("bootstrap", "prefill", "decode", "proxy")
-    names = [_service(r, n) for r in ("bootstrap", *ROLES)
-             for n in range(len(cfg.instances("prefill" if r == "bootstrap" else r)))]
-    return (*names, *(("proxy",) if cfg.cluster.proxy else ()))
+    return tuple(cfg.service_ports())
 
 
 def instance_env(cfg: HostConfig) -> dict[str, str]:

@@ -182,6 +182,16 @@ class CpusSection(_Section):
 Devices = list[Annotated[int, Field(ge=0)]]
 
 
+def proxy_backend_args(policy: str, prefill: list[str], decode: list[str]) -> list[str]:
+    """The proxy's flags for its backends: P as "URL,BOOTSTRAP_URL", D as "URL"."""
+    args = ["--policy", policy]
+    for url in prefill:
+        args += ["--prefill", url]
+    for url in decode:
+        args += ["--decode", url]
+    return args
+
+
 class InstanceLists(_Section):
     """A host's P and D instances: one device list (GPUs, or CPUs on stack "cpu") each.
     Instance i listens on ports.<role> + i and has engine id `<host>-<role>-<i>`; P
@@ -210,6 +220,10 @@ class ClusterPart(InstanceLists):
     decode_backends: list[str] = Field(default_factory=list)
     # The sidecars this host's D instances accept bootstraps from (every host's with a P).
     sidecars: list[str] = Field(default_factory=list)
+
+    def proxy_args(self) -> list[str]:
+        """The proxy's backends, as its command line names them."""
+        return proxy_backend_args(self.policy, self.prefill_backends, self.decode_backends)
 
     def problems(self) -> list[str]:
         out = []
@@ -251,10 +265,12 @@ class HostConfig(_Section):
         return [getattr(self.cpus if self.stack == "cpu" else self.gpus, role)]
 
     def service_ports(self) -> dict[str, int]:
-        """Each service this host runs -> the port it listens on."""
+        """Each service this host runs -> the port it listens on, in start order (sidecars,
+        P and D, the proxy): a 1P1D node's four, or a cluster host's `<role>-<i>`."""
         if self.cluster is None:
-            return self.ports.model_dump()
-        out = {f"{svc}-{n}": self.ports.of(svc, n) for svc in ("prefill", "bootstrap", "decode")
+            return {name: self.ports.of(name) for name in ("bootstrap", "prefill", "decode",
+                                                            "proxy")}
+        out = {f"{svc}-{n}": self.ports.of(svc, n) for svc in ("bootstrap", "prefill", "decode")
                for n in range(len(self.instances("prefill" if svc == "bootstrap" else svc)))}
         if self.cluster.proxy:
             out["proxy"] = self.ports.proxy

@@ -71,12 +71,7 @@ def proxy_args(cfg: HostConfig, out_dir: Path) -> list[str]:
 def proxy_backends(cfg: HostConfig) -> list[str]:
     """The proxy's P and D: this node's own, or a cluster's as its description says."""
     if cfg.cluster is not None:
-        args = ["--policy", cfg.cluster.policy]
-        for p in cfg.cluster.prefill_backends:
-            args += ["--prefill", p]
-        for d in cfg.cluster.decode_backends:
-            args += ["--decode", d]
-        return args
+        return cfg.cluster.proxy_args()
     ip = host_port(cfg.host.ip, cfg.ports.prefill)
     return ["--prefill", f"http://{ip},http://{host_port(cfg.host.ip, cfg.ports.bootstrap)}",
             "--decode", f"http://{host_port(cfg.host.ip, cfg.ports.decode)}"]
