@@ -61,6 +61,11 @@ class Registry:
                 f"engine {reg.engine_id!r} registered with tp size {engine.tp_size}, now "
                 f"{reg.tp_size}")
         worker = engine.workers.get(key)
+        if worker is not None and worker.addr != reg.addr and reg.replace:
+            # A restarted worker (same engine id, new side channel): its predecessor is gone,
+            # and a decode node sent to the old address would wait for KV that never comes.
+            del engine.workers[key]
+            worker = None
         if worker is not None and worker.addr != reg.addr:
             raise RegistryConflict(
                 f"worker tp {reg.tp_rank} pp {reg.pp_rank} of engine {reg.engine_id!r} is "

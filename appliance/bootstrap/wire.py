@@ -29,6 +29,10 @@ class Registration(msgspec.Struct, frozen=True):
     # heads before all of them have registered. vLLM's MooncakeConnector does not send it
     # (0): /query then leaves it out, as the reference's sidecar answers.
     tp_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    # A starting worker's registration: it replaces the same worker's entry at another
+    # address (the process it restarts, whose entry has not expired yet). Refreshes leave it
+    # false, so two live workers claiming one place still conflict.
+    replace: bool = False
 
     def validate(self) -> None:
         m = ADDR_RE.match(self.addr)

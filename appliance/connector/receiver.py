@@ -343,6 +343,9 @@ class Receiver:
         for addr in inc.waiting:
             asyncio.create_task(self._send_cancel(
                 addr, m.CancelEntry(inc.d_req_id, inc.transfer_id)))
+            # A producer given up on may be restarting at another address (same engine id):
+            # the next pull asks the sidecar again rather than trusting this one.
+            self._forget_peer(addr)
 
     async def _release(self, spec: ReleaseSpec) -> None:
         try:
@@ -366,9 +369,6 @@ class Receiver:
                             f"{inc.cancel_reason}; the producer never confirmed, and can "
                             f"write nothing more {self.settings.cancel_grace_s:g}s past the "
                             "deadline it was given"))
-                        for addr in inc.waiting:
-                            # Its address may be stale (restart): look it up again.
-                            self._forget_peer(addr)
                 elif now > inc.deadline:
                     why = (f"no KV from the producer within recv_timeout_s="
                            f"{self.settings.recv_timeout_s:g}s ({inc.state.value})")

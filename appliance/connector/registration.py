@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
+
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
 from appliance.connector.settings import ConnectorSettings
@@ -18,9 +20,12 @@ async def keep_registered(client: BootstrapClient, reg: Registration,
     retried with doubling delays up to the refresh interval."""
     delay = 0.5
     registered = False
+    # Until it is in, this worker's registration replaces a predecessor's (the process it
+    # restarts with the same engine id, not yet expired); then refreshes only refresh.
+    starting = msgspec.structs.replace(reg, replace=True)
     while True:
         try:
-            await client.register(reg)
+            await client.register(reg if registered else starting)
             if not registered:
                 log.info("engine %s tp %d registered side channel %s at %s", reg.engine_id,
                          reg.tp_rank, reg.addr, settings.bootstrap_addr)

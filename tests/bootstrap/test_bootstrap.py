@@ -242,3 +242,17 @@ def test_module_entry_point_serves_and_rejects_bad_settings(tmp_path):
     assert bare.returncode == 2
     assert bare.stderr.strip().splitlines() == [
         "bootstrap: error: give --token-file FILE (the shared token) or --no-token"]
+
+
+async def test_a_restarted_worker_replaces_its_predecessor(server):
+    """Same engine id, new side channel, before the old entry expires: a starting worker's
+    registration (replace) takes the place; the old address, refreshing, now conflicts."""
+    await server.post("/register", REG)
+    moved = {**REG, "addr": "tcp://10.0.0.1:45000"}
+    assert (await server.post("/register", moved))[0] == 400  # a refresh does not replace
+    assert await server.post("/register", {**moved, "replace": True}) == \
+        (200, {"status": "ok"})
+    _, body = await server.get("/query")
+    assert body["0"]["worker_addr"] == {"0": {"0": moved["addr"]}}
+    status, body = await server.post("/register", REG)
+    assert status == 400 and body["error"]["type"] == "conflict_error"
