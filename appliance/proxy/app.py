@@ -45,8 +45,8 @@ from appliance.proxy.upstream import Upstreams
 log = logging.getLogger("appliance.proxy")
 
 _encode = msgspec.json.encode
-# Keyed with auth_ops_endpoints; /health stays open: it says only ready or not, and load
-# balancers and the container's health check probe it without a key.
+# Keyed with auth_ops_endpoints; /health and /ready stay open: they say only ready or not,
+# and load balancers, probes and the container's health check ask them without a key.
 _OPS_PATHS = frozenset({"/metrics", "/status"})
 
 
@@ -152,6 +152,21 @@ class Proxy:
 
     # ---- the generation endpoints ---------------------------------------------------------
 
+    def cannot_answer(self) -> str | None:
+        """Why a generation request would get a 503 now; None: it would be answered. One
+        rule for requests and /ready: a D in rotation, and a P too unless requests fall
+        back to D alone (once any P has had an engine id: before, the cluster is still
+        starting)."""
+        if self.shutting_down:
+            return "the proxy is shutting down"
+        if not self.backends.ever_ready:
+            return "not ready: no prefill node has reported an engine id yet"
+        if not self.backends.ready_decode():
+            return "no decode node is healthy"
+        if not self.backends.ready_prefill() and not self.settings.fallback_to_decode:
+            return "no prefill node is healthy with a known engine id"
+        return None
+
     async def generate(self, request: web.Request, route: str) -> web.StreamResponse:
         given = request.headers.get("X-Request-Id")
         if given and len(given) <= 256 and given.isascii() and given.isprintable():
@@ -204,14 +219,10 @@ class Proxy:
             raise ProxyError(413, f"request body too large (limit {limit} bytes)") from None
         body = parse_request(raw, rec.route)
 
-        if not self.backends.ever_ready:
-            raise ProxyError(503, "not ready: no prefill node has reported an engine id yet")
-        decodes = self.backends.ready_decode()
-        if not decodes:
-            raise ProxyError(503, "no decode node is healthy")
+        why = self.cannot_answer()
+        if why is not None:
+            raise ProxyError(503, why)
         prefills = self.backends.ready_prefill()
-        if not prefills and not self.settings.fallback_to_decode:
-            raise ProxyError(503, "no prefill node is healthy with a known engine id")
         d = await self.admission.admit(self.backends.ready_decode, self.router.pick_decode)
         try:
             if not prefills:

@@ -1,6 +1,7 @@
 """The proxy as an aiohttp application: its routes and middlewares, the ops endpoints
-(/v1/models, /health, /status, /metrics), and `serve()` for tests and benchmarks. Each
-request goes to `appliance.proxy.app.Proxy`, its exchange to `appliance.proxy.exchange`."""
+(/v1/models, /health, /ready, /status, /metrics), and `serve()` for tests and benchmarks.
+Each request goes to `appliance.proxy.app.Proxy`, its exchange to
+`appliance.proxy.exchange`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from appliance.httperrors import MAX_BODY_BYTES, json_error, json_errors_middleware
+from appliance.httperrors import MAX_BODY_BYTES, error_body, json_error, json_errors_middleware
 from appliance.proxy import admin
 from appliance.proxy.app import COMPLETIONS_ROUTES, Proxy, _encode
 from appliance.proxy.errors import ProxyError, proxy_errors_middleware
@@ -46,6 +47,18 @@ def ops_routes(proxy: Proxy) -> list[web.RouteDef]:
         return web.Response(status=200 if reason is None else 503, body=_encode(body),
                             content_type="application/json")
 
+    async def ready(request: web.Request) -> web.Response:
+        """Whether this proxy can answer a request now (a Kubernetes readiness probe):
+        unlike /health, a P outage is no reason while requests fall back to D alone."""
+        why = proxy.cannot_answer()
+        if why is not None:
+            body = error_body(503, why)
+            body.update(status="unavailable", reason=why)
+            return web.Response(status=503, body=_encode(body),
+                                content_type="application/json")
+        return web.Response(body=_encode({"status": "ok", "reason": None}),
+                            content_type="application/json")
+
     async def status(request: web.Request) -> web.Response:
         body = proxy.backends.status()
         body.update(policy=proxy.settings.policy,
@@ -58,7 +71,7 @@ def ops_routes(proxy: Proxy) -> list[web.RouteDef]:
                             headers={"Content-Type": proxy.metrics.content_type})
 
     return [web.get("/v1/models", models), web.get("/health", health),
-            web.get("/status", status), web.get("/metrics", metrics)]
+            web.get("/ready", ready), web.get("/status", status), web.get("/metrics", metrics)]
 
 
 def _auth_middleware(proxy: Proxy) -> Any:
