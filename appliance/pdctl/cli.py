@@ -191,6 +191,19 @@ def down(ctx: click.Context, config_path: Path | None, local: bool,
     compose_down(cfg, path.parent, env.runner, env.out)
 
 
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@config_option
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def compose(ctx: click.Context, config_path: Path | None, args: tuple[str, ...]) -> None:
+    """Run Compose on the rendered node (the engine's plugin, else the bundled Compose v2):
+    `pdctl compose -- ps`, `pdctl compose -- up -d` (the systemd unit runs this)."""
+    from appliance.pdctl.compose import exec_compose
+
+    cfg, path = load_host_config(config_path, env_of(ctx), host_checks=False)
+    exec_compose(cfg, path.parent, env_of(ctx).runner, list(args))
+
+
 @cli.command()
 @click.argument("service", required=False)
 @config_option
@@ -275,6 +288,7 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
         node = st.gather(state.endpoints_obj(), process_states(state), "local",
                          bootstrap_token=_read_quietly(token_file))
     else:
+        from appliance.pdctl.compose import container_states
         from appliance.pdctl.dockerapi import DockerApi, DockerUnavailable
 
         cfg, path = load_host_config(config_path, env, host_checks=False)
@@ -293,12 +307,8 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
         problems: list[str] = []
         processes: dict[str, st.ProcessState] | None = None
         try:
-            containers = DockerApi.connect().project(cfg.compose.project)
-            processes = {}
-            for name in st.SERVICES:
-                c = containers.get(name)
-                processes[name] = st.ProcessState("missing", False) if c is None else \
-                    st.ProcessState(c.state, c.ok, c.health or "", c.restarts, c.exit_code)
+            api = DockerApi.connect()
+            processes = container_states(api, cfg.compose.project, st.SERVICES)
         except DockerUnavailable as exc:
             problems.append(f"docker: {exc.lines[0]}")
         node = st.gather(endpoints, processes, f"compose project {cfg.compose.project}",

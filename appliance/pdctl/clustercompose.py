@@ -98,8 +98,10 @@ def host_compose(cfg: HostConfig, base_text: str) -> str:
     source = cfg.cluster.cluster if cfg.cluster else ""
     head = (f"# {cfg.host.name}: its part of the cluster {source}\n# Written by `pdctl "
             f"render` from compose.yaml's services (one per instance); values in .env.\n")
-    return head + yaml.safe_dump({"name": base["name"], "services": out}, sort_keys=False,
-                                 width=100)
+    doc = {"name": base["name"], "services": out}
+    if base.get("volumes"):  # the compile cache every vLLM service mounts
+        doc["volumes"] = base["volumes"]
+    return head + yaml.safe_dump(doc, sort_keys=False, width=100)
 
 
 class _Reset:

@@ -3,6 +3,7 @@ through the Docker Engine API."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -13,21 +14,42 @@ from rich.live import Live
 from rich.table import Table
 
 from appliance.pdctl.clustercompose import service_names
+from appliance.pdctl.composebin import find_compose
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.dockerapi import ContainerState, DockerApi
 from appliance.pdctl.errors import PdctlError
+from appliance.pdctl.logcause import error_excerpt
 from appliance.pdctl.render import compose_argv
 from appliance.pdctl.runner import Runner
+from appliance.pdctl.status import ProcessState
 
 PULL_AND_CREATE_TIMEOUT = 3600.0  # first start pulls multi-GB images
 
 
+def compose_command(runner: Runner) -> tuple[str, ...]:
+    """The engine's Compose plugin or the bundled Compose (appliance.pdctl.composebin)."""
+    found, why = find_compose(runner)
+    if found is None:
+        raise PdctlError(f"docker compose: {why} (`pdctl doctor` checks)")
+    return found.argv
+
+
+def exec_compose(cfg: HostConfig, out_dir: Path, runner: Runner, args: list[str]) -> None:
+    """Replace this process with Compose on the rendered directory (output, exit code and
+    signals are Compose's own)."""
+    argv = compose_argv(cfg, out_dir, compose_command(runner))
+    try:
+        os.execvp(argv[0], [*argv, *args])
+    except OSError as exc:
+        raise PdctlError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+
+
 def _run_compose(cfg: HostConfig, out_dir: Path, runner: Runner, args: list[str],
                  what: str) -> None:
-    res = runner.run([*compose_argv(cfg, out_dir), *args], timeout=PULL_AND_CREATE_TIMEOUT)
+    argv = compose_argv(cfg, out_dir, compose_command(runner))
+    res = runner.run([*argv, *args], timeout=PULL_AND_CREATE_TIMEOUT)
     if res.missing:
-        raise PdctlError("docker CLI not found (install Docker Engine and the compose plugin; "
-                         "`pdctl doctor` checks)")
+        raise PdctlError(f"{argv[0]} not found (install Docker Engine; `pdctl doctor` checks)")
     if not res.ok:
         tail = "\n".join((res.stderr or res.stdout).splitlines()[-15:])
         raise PdctlError(f"docker compose {what} failed: {res.reason()}", detail=tail)
@@ -47,6 +69,48 @@ def _table(states: dict[str, ContainerState], elapsed: float, names: tuple[str, 
     return table
 
 
+def failing(c: ContainerState, restarts_before: int) -> bool:
+    """Dead, restarting, unhealthy, or restarted since `pdctl up` began: a server whose
+    engine died exits, and its restart policy brings it back to fail the same way, so
+    waiting longer shows nothing new."""
+    return (c.state in ("exited", "dead", "restarting") or c.health == "unhealthy"
+            or c.restarts > restarts_before)
+
+
+def failure(api: DockerApi, project: str, c: ContainerState) -> PdctlError:
+    """One line for what happened, and the cause from the container's own log."""
+    what = c.health if c.health == "unhealthy" and c.state == "running" else c.state
+    facts = [f"exit code {c.exit_code}"] if c.exit_code else []
+    if c.restarts:
+        facts.append(f"restarted {c.restarts} time{'s' if c.restarts != 1 else ''}")
+    said = f" ({', '.join(facts)})" if facts else ""
+    line = f"{c.service} failed: {what}{said}; see `pdctl logs {c.service}`"
+    return PdctlError(line, detail="\n".join(f"  {c.service}: {x}"
+                                             for x in container_cause(api, project, c.service)))
+
+
+def container_cause(api: DockerApi, project: str, service: str) -> list[str]:
+    """The error lines of a container's last log lines ([] when the log cannot be read)."""
+    try:
+        text = b"".join(api.logs(project, service, tail=400)).decode(errors="replace")
+    except PdctlError:
+        return []
+    return error_excerpt(text)
+
+
+def container_states(api: DockerApi, project: str,
+                     names: tuple[str, ...]) -> dict[str, ProcessState]:
+    """Each service's container as `pdctl status` shows it, with the cause when it is down."""
+    containers = api.project(project)
+    out = {}
+    for name in names:
+        c = containers.get(name)
+        out[name] = ProcessState("missing", False) if c is None else ProcessState(
+            c.state, c.ok, c.health or "", c.restarts, c.exit_code,
+            () if c.ok else tuple(container_cause(api, project, name)))
+    return out
+
+
 def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
                  names: tuple[str, ...], poll: float = 2.0, begin: float | None = None,
                  timings: dict[str, float] | None = None,
@@ -58,6 +122,7 @@ def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
     begin = time.monotonic() if begin is None else begin
     timings = {} if timings is None else timings
     states: dict[str, ContainerState] = {}
+    baseline: dict[str, int] = {}  # restarts when first seen: a restart during up is a failure
     with Live(_table(states, 0, names), console=console, refresh_per_second=2,
               transient=True) as live:
         while True:
@@ -73,12 +138,11 @@ def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
             if all(name in states and states[name].ok for name in names):
                 console.print(_table(states, elapsed, names))
                 return states
-            for name, c in states.items():
-                if c.state in ("exited", "dead") or c.health == "unhealthy":
+            for name in names:
+                c = states.get(name)
+                if c is not None and failing(c, baseline.setdefault(name, c.restarts)):
                     console.print(_table(states, elapsed, names))
-                    raise PdctlError(f"{name} is {c.health or c.state}"
-                                     f"{f' (exit code {c.exit_code})' if c.exit_code else ''}; "
-                                     f"see `pdctl logs {name}`")
+                    raise failure(api, project, c)
             if elapsed > timeout:
                 console.print(_table(states, elapsed, names))
                 late = [n for n in names if n not in states or not states[n].ok]

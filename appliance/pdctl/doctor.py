@@ -10,6 +10,7 @@ import ipaddress
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from appliance.pdctl.composebin import MIN_COMPOSE, version_tuple
 from appliance.pdctl.config import HostConfig, PortsSection
 from appliance.pdctl.host import HostProbe, Memlock
 
@@ -75,27 +76,9 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(map(str, values)) or "none"
 
 
-# What compose.yaml and compose.cpu.yaml need: Engine 20.10 (API 1.41) for every key they
-# use, Compose 2.24.4 for `!reset` in the CPU override.
+# What compose.yaml needs: Engine 20.10 (API 1.41) for every key it uses (Compose's
+# minimum is appliance.pdctl.composebin's).
 MIN_ENGINE = (20, 10)
-MIN_COMPOSE = (2, 24, 4)
-
-
-def version_tuple(text: str) -> tuple[int, ...]:
-    """"v2.40.3", "20.10.24+dfsg1", "28.0.1-1" -> (2, 40, 3), (20, 10, 24), (28, 0, 1)."""
-    parts = []
-    for piece in text.strip().lstrip("v").split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(digits) != len(piece):
-            break
-    return tuple(parts)
 
 
 def _dotted(version: tuple[int, ...]) -> str:
@@ -252,7 +235,7 @@ def check_docker(probe: HostProbe, stack: str = "gpu") -> list[Check]:
     version, why = probe.docker_server_version()
     if version is None:
         if "not found" in why:
-            fix = "install Docker Engine (docker-ce) and the compose plugin"
+            fix = "install Docker Engine (Debian: apt-get install docker.io)"
             return [_fail("docker", why, fix), _skip("docker compose", "no docker CLI"),
                     _skip("NVIDIA container runtime", "no docker CLI")]
         daemon = _fail("docker", f"daemon not reachable: {why}",
@@ -263,16 +246,18 @@ def check_docker(probe: HostProbe, stack: str = "gpu") -> list[Check]:
     else:
         daemon = _pass("docker", f"Engine {version}")
     out = [daemon]
-    compose, why = probe.compose_version()
-    if not compose:
-        out.append(_fail("docker compose", why or "not installed",
-                         "install the Compose v2 plugin (docker-compose-plugin)"))
-    elif version_tuple(compose) < MIN_COMPOSE:
-        out.append(_fail("docker compose", f"v{compose.lstrip('v')}: the node's compose files "
+    compose, why = probe.compose()
+    if compose is None:
+        out.append(_fail("docker compose", why,
+                         "re-run install.sh (it installs the bundled Compose v2) or install "
+                         "the Compose v2 plugin (docker-compose-plugin)"))
+    elif version_tuple(compose.version) < MIN_COMPOSE:
+        out.append(_fail("docker compose", f"{compose.describe()}: the node's compose files "
                          f"need Compose {_dotted(MIN_COMPOSE)} or later",
-                         "upgrade the Compose v2 plugin (docker-compose-plugin)"))
+                         "re-run install.sh (it installs the bundled Compose v2) or upgrade "
+                         "the Compose v2 plugin (docker-compose-plugin)"))
     else:
-        out.append(_pass("docker compose", f"v{compose.lstrip('v')}"))
+        out.append(_pass("docker compose", compose.describe()))
     if stack == "cpu":
         out.append(_skip("NVIDIA container runtime", "stack is cpu"))
         return out

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance.pdctl.composebin import Compose, find_compose
 from appliance.pdctl.runner import Runner, SubprocessRunner
 
 UNLIMITED = -1
@@ -243,11 +244,8 @@ class HostProbe:
             return res.stdout.strip(), ""
         return None, "docker CLI not found" if res.missing else res.reason()
 
-    def compose_version(self) -> tuple[str | None, str]:
-        res = self.runner.run(["docker", "compose", "version", "--short"])
-        if res.ok and res.stdout.strip():
-            return res.stdout.strip(), ""
-        return None, res.reason()
+    def compose(self) -> tuple[Compose | None, str]:
+        return find_compose(self.runner)
 
     def docker_runtimes(self) -> tuple[list[str] | None, str]:
         res = self.runner.run(["docker", "info", "--format", "{{json .Runtimes}}"])

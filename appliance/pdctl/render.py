@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 import appliance
@@ -27,7 +28,6 @@ CPU_COMPOSE_FILE = "compose.cpu.yaml"  # in the source tree; rendered as OVERRID
 UNIT_FILE = "pd-appliance.service"
 PROXY_FILE = "proxy.toml"
 PDCTL_BIN = "/usr/local/bin/pdctl"  # install.sh --systemd links the venv's pdctl here
-DOCKER_BIN = "/usr/bin/docker"
 
 
 def repo_file(name: str) -> Path:
@@ -172,20 +172,22 @@ def _env_quote(value: str) -> str:
 def env_file_text(cfg: HostConfig, out_dir: Path, source: Path | None = None) -> str:
     head = [f"# Written by `pdctl render`{f' from {source}' if source else ''}: edit the host "
             f"config, not this file.",
-            f"# docker compose reads it by itself: cd {out_dir} && docker compose up -d"]
+            f"# docker compose reads it by itself: cd {out_dir} && docker compose up -d (or, with "
+            f"no Compose plugin, pdctl compose up -d)"]
     body = [f"{k}={_env_quote(v)}" for k, v in env_values(cfg, out_dir).items()]
     return "\n".join(head + body) + "\n"
 
 
-def compose_argv(cfg: HostConfig, out_dir: Path, docker: str = "docker") -> list[str]:
-    """docker compose on the rendered directory: it finds compose.yaml, the override and .env
-    there, as a plain `docker compose` run in that directory does."""
-    return [docker, "compose", "--project-directory", str(out_dir),
-            "--project-name", cfg.compose.project]
+def compose_argv(cfg: HostConfig, out_dir: Path, compose: Sequence[str]) -> list[str]:
+    """Compose (`compose`: appliance.pdctl.composebin's choice) on the rendered directory: it
+    finds compose.yaml, the override and .env there, as a plain `docker compose` run in that
+    directory does."""
+    return [*compose, "--project-directory", str(out_dir), "--project-name", cfg.compose.project]
 
 
 def unit_text(cfg: HostConfig, out_dir: Path, config_path: Path) -> str:
-    compose = " ".join(compose_argv(cfg, out_dir, DOCKER_BIN))
+    # `pdctl compose` picks the engine's plugin or the bundled Compose when the unit runs.
+    compose = f"{PDCTL_BIN} compose --config {config_path} --"
     startup = int(cfg.timeouts.startup_s)
     return f"""\
 # pd-appliance: this host's 1P1D node (bootstrap, vLLM P and D, proxy) through docker compose.

@@ -38,6 +38,7 @@ class ProcessState:
     detail: str = ""
     restarts: int | None = None
     exit_code: int | None = None  # containers: the last exit code Docker recorded
+    cause: tuple[str, ...] = ()  # not ok: the error lines of its log (appliance.pdctl.logcause)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ServiceStatus:
     detail: str = ""
     restarts: int | None = None
     exit_code: int | None = None
+    cause: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -175,7 +177,7 @@ def gather(endpoints: Endpoints, processes: Mapping[str, ProcessState] | None, m
                 f" ({proc.detail})" if proc.detail else ""), proc.ok, proc.restarts, \
                 proc.exit_code
         svc = ServiceStatus(name, url, state, running, healthy, health_text, restarts=restarts,
-                            exit_code=code)
+                            exit_code=code, cause=list(proc.cause) if proc else [])
         status.services.append(svc)
         if health.status is None:
             continue
@@ -240,6 +242,9 @@ def render_table(status: NodeStatus, console: Console) -> None:
         color = "green" if s.running and s.healthy else "red"
         table.add_row(s.name, state, f"[{color}]{s.health}[/]", s.url, s.detail)
     console.print(table)
+    for s in status.services:
+        for line in s.cause:
+            console.print(f"[red]{s.name}:[/] {line}", markup=True, highlight=False)
     if status.backends:
         backends = Table(title="proxy backends", title_justify="left")
         for col in ("role", "url", "healthy", "in rotation", "in flight", "engine ids",

