@@ -16,7 +16,16 @@ import os
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from appliance.netaddr import host_port
 
 Role = Literal["producer", "consumer"]
 
@@ -28,6 +37,9 @@ class ConnectorSettings(BaseModel):
     role: Role
     # Producer: the bootstrap sidecar its workers register with (seeds step 4).
     bootstrap_addr: str = "http://127.0.0.1:8998"
+    # Producer, instead of bootstrap_addr: the sidecar listens on this port at `host` (a
+    # pod IP known only at run time; an IPv6 one must go in brackets in the URL).
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_token: str | None = None
     # How often a producer worker refreshes its registration; keep it well under the
     # sidecar's TTL (default 30 s).
@@ -89,6 +101,16 @@ class ConnectorSettings(BaseModel):
             return tuple(str(ipaddress.ip_network(c, strict=False)) for c in value)
         except ValueError as exc:
             raise ValueError(f"not a CIDR: {exc}") from None
+
+    @model_validator(mode="after")
+    def _bootstrap_at_port(self) -> ConnectorSettings:
+        if self.bootstrap_port is None:
+            return self
+        if "bootstrap_addr" in self.model_fields_set:
+            raise ValueError("give bootstrap_addr or bootstrap_port, not both")
+        url = f"http://{host_port(self.resolved_host(), self.bootstrap_port)}"
+        object.__setattr__(self, "bootstrap_addr", url)  # frozen: set once, while built
+        return self
 
     @property
     def guards_bootstrap(self) -> bool:

@@ -85,3 +85,58 @@ def test_bootstrap_allowed_by_address_or_network() -> None:
     with pytest.raises(ValueError, match="allowed_bootstrap_networks.*not a CIDR"):
         ConnectorSettings.from_kv_transfer_config(config(
             "kv_consumer", "d0", allowed_bootstrap_networks=["pods"]))
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("10.244.3.9", "http://10.244.3.9:8998"),
+    ("fd00:10::5", "http://[fd00:10::5]:8998"),  # an IPv6 pod IP goes in brackets
+])
+def test_bootstrap_port_at_the_host(host: str, url: str) -> None:
+    """The chart gives P the sidecar's port and its pod IP as `host`: the URL is built
+    here, so an IPv6 pod network works, and D's network check accepts it."""
+    p = ConnectorSettings.from_kv_transfer_config(config(host=host, bootstrap_port=8998))
+    assert p.bootstrap_addr == url
+    d = ConnectorSettings.from_kv_transfer_config(config(
+        "kv_consumer", "d0", allowed_bootstrap_networks=["10.244.0.0/16", "fd00:10::/64"]))
+    assert d.bootstrap_allowed(p.bootstrap_addr)
+
+
+def test_bootstrap_port_falls_back_to_vllm_host_ip(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_HOST_IP", "fd00::7")
+    s = ConnectorSettings.from_kv_transfer_config(config(bootstrap_port=9000))
+    assert s.bootstrap_addr == "http://[fd00::7]:9000"
+
+
+def test_bootstrap_port_or_addr_not_both() -> None:
+    with pytest.raises(ValueError, match="bootstrap_addr or bootstrap_port, not both"):
+        ConnectorSettings.from_kv_transfer_config(config(
+            host="10.0.0.1", bootstrap_port=8998, bootstrap_addr="http://10.0.0.1:8998"))
+    with pytest.raises(ValueError, match="bootstrap_port"):
+        ConnectorSettings.from_kv_transfer_config(config(bootstrap_port=0))
+
+
+async def test_a_worker_registers_with_a_sidecar_on_ipv6() -> None:
+    """The URL built from an IPv6 host reaches a real sidecar listening there."""
+    from aiohttp import web
+
+    from appliance.bootstrap import BootstrapSettings, build_app
+    from appliance.bootstrap.client import BootstrapClient
+    from appliance.bootstrap.wire import Registration
+
+    runner = web.AppRunner(build_app(BootstrapSettings(host="::1", port=0, ttl=0)))
+    await runner.setup()
+    site = web.TCPSite(runner, "::1", 0)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    s = ConnectorSettings.from_kv_transfer_config(config(host="::1", bootstrap_port=port))
+    client = BootstrapClient(s.bootstrap_addr)
+    try:
+        await client.register(Registration(engine_id="p0", addr="tcp://[::1]:41235"))
+        assert (await client.query())["0"].engine_id == "p0"
+    finally:
+        await client.close()
+        await runner.cleanup()
