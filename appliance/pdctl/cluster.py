@@ -17,7 +17,8 @@ sidecars each D must accept bootstraps from.
     decode = [[2]]
 
 Instance i of a role on a host listens on `ports.<role> + i`; P instance i has its own
-sidecar on `ports.bootstrap + i`. Problems come one line each (`parse_cluster`).
+sidecar on `ports.bootstrap + i`. `[kubernetes] pod_network_cidrs` is for `render
+--kubernetes` alone (appliance.pdctl.helmvalues). Problems come one line each (`parse_cluster`).
 `host_config(name)` is each host's own config (appliance.pdctl.clusterrender writes them);
 `pdctl up` there brings up its part.
 """
@@ -27,9 +28,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from appliance.netaddr import host_port
 from appliance.pdctl.config import (
@@ -67,6 +68,21 @@ class ProxyPlacement(_Section):
     policy: Literal["round_robin", "least_outstanding"] = "round_robin"
 
 
+def _cidr(value: str) -> str:
+    try:
+        return str(ipaddress.ip_network(value, strict=False))
+    except ValueError:
+        raise ValueError(f"{value!r} is not a network (e.g. 10.244.0.0/16)") from None
+
+
+class KubernetesSection(_Section):
+    """What only `render --kubernetes` uses. The pod network's CIDRs: D accepts bootstrap
+    addresses only there (P pods get a new IP on every restart); each bad one is its own
+    line (pod_network_cidrs.<i>)."""
+    pod_network_cidrs: list[Annotated[str, AfterValidator(_cidr)]] = Field(
+        default_factory=list)
+
+
 class ClusterDescription(_Section):
     stack: Stack = "gpu"
     model: ModelSection
@@ -78,6 +94,7 @@ class ClusterDescription(_Section):
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
     images: ImagesSection = Field(default_factory=ImagesSection)
     compose: ComposeSection = Field(default_factory=ComposeSection)
+    kubernetes: KubernetesSection = Field(default_factory=KubernetesSection)
 
     @model_validator(mode="before")
     @classmethod

@@ -31,6 +31,11 @@ def render_cluster(desc: ClusterDescription, source: Path, out_dir: Path,
     """Write every host's directory (and values.yaml); returns the files written."""
     out_dir = out_dir.resolve()
     written: list[Path] = []
+    values = None
+    if kubernetes:  # first: a description the chart cannot take writes nothing
+        from appliance.pdctl.helmvalues import values_yaml
+
+        values = values_yaml(desc, str(source))
     try:
         shared = keys.ensure(keys_dir(out_dir))  # made once, kept on later renders
         for h in desc.hosts:
@@ -41,10 +46,8 @@ def render_cluster(desc: ClusterDescription, source: Path, out_dir: Path,
                 shutil.copy2(shared.dir / name, host_dir / "keys" / name)
             _write(host_dir / HOST_FILE, to_toml(cfg, _header(source, h.name)))
             written.append(host_dir / HOST_FILE)
-        if kubernetes:
-            from appliance.pdctl.helmvalues import values_yaml
-
-            _write(out_dir / VALUES_FILE, values_yaml(desc, str(source)))
+        if values is not None:
+            _write(out_dir / VALUES_FILE, values)
             written.append(out_dir / VALUES_FILE)
     except OSError as exc:
         raise PdctlError(f"cannot write to {out_dir}: {exc.strerror or exc}") from None

@@ -3,8 +3,10 @@
 On Kubernetes the scheduler, not the description, places pods: what carries over is how many
 P and D instances there are, their TP (GPUs per pod) or CPUs, the model, the ports, the
 routing policy, the transfer, the timeouts, the images and /dev/shm's size. The model's path
-becomes a hostPath volume (the description says every host has the model there). The keys
-stay out of the values: the chart reads them from a Secret made from `pdctl init`'s keys/:
+becomes a hostPath volume (the description says every host has the model there). The pod
+network comes from the description's `[kubernetes] pod_network_cidrs` (required: D accepts
+bootstrap addresses only there). The keys stay out of the values: the chart reads them from
+a Secret made from `pdctl init`'s keys/:
 
     kubectl create secret generic pd-appliance-keys --from-file=keys/
 """
@@ -12,10 +14,10 @@ stay out of the values: the chart reads them from a Secret made from `pdctl init
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 from appliance.pdctl.cluster import ROLES, ClusterDescription
+from appliance.pdctl.errors import ConfigError
 
 KEYS_SECRET = "pd-appliance-keys"
 _SHM_UNITS = {"b": "", "k": "Ki", "m": "Mi", "g": "Gi"}
@@ -69,9 +71,16 @@ def _role(desc: ClusterDescription, role: str) -> dict[str, Any]:
     return out
 
 
-def helm_values(desc: ClusterDescription, *,
-                pod_network_cidrs: Sequence[str] = ()) -> dict[str, Any]:
-    """The chart's values for `desc` (GPUs per pod = the role's TP, set by the chart)."""
+NO_POD_NETWORK = ("kubernetes.pod_network_cidrs: --kubernetes needs the pod network's CIDRs "
+                  "(D accepts bootstrap addresses only there), e.g. [kubernetes] "
+                  "pod_network_cidrs = [\"10.244.0.0/16\"]")
+
+
+def helm_values(desc: ClusterDescription) -> dict[str, Any]:
+    """The chart's values for `desc` (GPUs per pod = the role's TP, set by the chart);
+    ConfigError (one line) when it does not say the pod network."""
+    if not desc.kubernetes.pod_network_cidrs:
+        raise ConfigError(NO_POD_NETWORK)
     t = desc.transfer
     values: dict[str, Any] = {
         "stack": desc.stack,
@@ -97,11 +106,10 @@ def helm_values(desc: ClusterDescription, *,
         "bootstrap": {"ttlS": math.ceil(desc.timeouts.bootstrap_ttl_s)},
         "images": {"slim": _image(desc.images.slim)},
         "keys": {"existingSecret": KEYS_SECRET},
+        "podNetworkCidrs": list(desc.kubernetes.pod_network_cidrs),
     }
     if desc.images.vllm:  # else the chart's, by stack
         values["images"]["vllm"] = _image(desc.images.vllm)
-    if pod_network_cidrs:
-        values["podNetworkCidrs"] = list(pod_network_cidrs)
     return values
 
 

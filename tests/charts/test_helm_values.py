@@ -10,15 +10,19 @@ import pytest
 import yaml
 
 from appliance.pdctl.cluster import parse_cluster
+from appliance.pdctl.errors import ConfigError
 from appliance.pdctl.helmvalues import KEYS_SECRET, helm_values
 from tests.charts.cases import Rendered
-from tests.charts.objects import container, flag, of_kind, pod, workload
+from tests.charts.objects import container, flag, kv_config, of_kind, pod, workload
+
+POD_NETWORK = {"pod_network_cidrs": ["10.244.0.0/16", "fd00:10:244::/56"]}
 
 
 def _desc(*hosts: dict[str, Any], **top: Any) -> dict[str, Any]:
     return {"model": {"path": "/models/qwen", **top.pop("model", {})},
             "proxy": top.pop("proxy", {"host": "a"}), "hosts": list(hosts),
-            "transfer": top.pop("transfer", {"protocol": "rdma", "device": "mlx5_0"}), **top}
+            "transfer": top.pop("transfer", {"protocol": "rdma", "device": "mlx5_0"}),
+            "kubernetes": top.pop("kubernetes", POD_NETWORK), **top}
 
 
 DESCRIPTIONS: dict[str, tuple[dict[str, Any], tuple[int, int], tuple[int, int]]] = {
@@ -51,15 +55,18 @@ def test_values_from_a_description(name: str) -> None:
                                "proxy": 8000}
     # no key material: the chart mounts a Secret made from pdctl init's keys/
     assert values["keys"] == {"existingSecret": KEYS_SECRET}
+    assert values["podNetworkCidrs"] == POD_NETWORK["pod_network_cidrs"]
     assert yaml.safe_load(yaml.safe_dump(values)) == values  # writes as a values file
 
 
 @pytest.mark.parametrize("name", DESCRIPTIONS)
 def test_chart_from_the_values(rendered: Rendered, name: str) -> None:
     data, replicas, tp = DESCRIPTIONS[name]
-    result = rendered.values(helm_values(parse_cluster(data), pod_network_cidrs=["10.244.0.0/16"]))
+    result = rendered.values(helm_values(parse_cluster(data)))
     assert result.rc == 0, result.out
     docs = result.docs()
+    extra = kv_config(workload(docs, "decode"))["kv_connector_extra_config"]
+    assert extra["allowed_bootstrap_networks"] == POD_NETWORK["pod_network_cidrs"]
     for role, n, gpus in zip(("prefill", "decode"), replicas, tp, strict=True):
         w = workload(docs, role)
         assert w["spec"]["replicas"] == n
@@ -117,3 +124,24 @@ def test_timeouts_images_and_shm_carry_over(rendered: Rendered) -> None:
     assert extra["kv_connector_extra_config"]["send_timeout_s"] == 90
     (shm,) = [v for v in pod(p)["volumes"] if v["name"] == "shm"]
     assert shm["emptyDir"]["sizeLimit"] == "32Gi"
+
+
+def test_a_description_without_pod_network_is_refused() -> None:
+    """The chart would refuse the values (D open to any bootstrap address): one line."""
+    data = _desc({"name": "a", "ip": "10.0.0.1", "gpus": 2, "prefill": [[0]],
+                  "decode": [[1]]}, kubernetes={})
+    with pytest.raises(ConfigError) as err:
+        helm_values(parse_cluster(data))
+    (line,) = err.value.lines
+    assert line.startswith("kubernetes.pod_network_cidrs:") and "10.244.0.0/16" in line
+
+
+def test_bad_pod_networks_one_line_each() -> None:
+    data = _desc({"name": "a", "ip": "10.0.0.1", "gpus": 2, "prefill": [[0]],
+                  "decode": [[1]]},
+                 kubernetes={"pod_network_cidrs": ["10.244.0.0/16", "pods", "10.0.0.0/33"]})
+    with pytest.raises(ConfigError) as err:
+        parse_cluster(data)
+    assert err.value.lines == [
+        "kubernetes.pod_network_cidrs.1: 'pods' is not a network (e.g. 10.244.0.0/16)",
+        "kubernetes.pod_network_cidrs.2: '10.0.0.0/33' is not a network (e.g. 10.244.0.0/16)"]

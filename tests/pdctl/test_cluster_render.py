@@ -224,16 +224,30 @@ def test_kubernetes_values_for_the_same_cluster(pdctl, tmp_path):
     import yaml
 
     desc = tmp_path / "cluster.toml"
-    desc.write_text(TWO_HOSTS)
+    desc.write_text(TWO_HOSTS + '[kubernetes]\npod_network_cidrs = ["10.244.0.0/16"]\n')
     res = pdctl("render", "--cluster", str(desc), "--kubernetes")
     assert res.exit_code == 0, res.output
     text = (tmp_path / "cluster" / "values.yaml").read_text()
     values = yaml.safe_load(text)
+    assert values["podNetworkCidrs"] == ["10.244.0.0/16"]
     assert (values["prefill"]["replicas"], values["decode"]["replicas"]) == (2, 3)
     assert values["proxy"]["policy"] == "least_outstanding"
     assert values["keys"]["existingSecret"]
     for key in (tmp_path / "cluster" / "keys").iterdir():
         assert key.read_text().strip() not in text
+
+
+def test_kubernetes_values_need_the_pod_network(pdctl, tmp_path):
+    """Without it D would accept any bootstrap address: one line, exit 2, nothing written;
+    the hosts' own render does not need it."""
+    desc = tmp_path / "cluster.toml"
+    desc.write_text(TWO_HOSTS)
+    res = pdctl("render", "--cluster", str(desc), "--kubernetes")
+    assert res.exit_code == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "kubernetes.pod_network_cidrs: --kubernetes needs" in lines[0]
+    assert not (tmp_path / "cluster").exists()
+    assert pdctl("render", "--cluster", str(desc)).exit_code == 0
 
 
 def test_doctor_checks_the_ports_of_the_hosts_instances(cluster, pdctl, host):
