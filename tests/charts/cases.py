@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tests.charts.helmtool import Helm, Result
@@ -11,6 +11,8 @@ from tests.charts.helmtool import Helm, Result
 KEYS = {"apiKey": "apikey-5f0c1e9a7b3d", "bootstrapToken": "boottoken-8c2e4a6f1d09",
         "sideChannelKey": "curvesecret-0123456789abcdefABCDEF.:+=^!"}
 LONG_RELEASE = "a-very-long-release-name-for-the-pd-appliance-x12345"  # 53: helm's limit
+# What every install must say (the chart refuses to render without a pod network).
+NEEDED: dict[str, Any] = {"podNetworkCidrs": ["10.244.0.0/16"]}
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ EVERY_OPTION: dict[str, Any] = {
         "kubernetes.io/metadata.name": "monitoring"}}}]},
 }
 
-CASES: dict[str, Case] = {
+_CASES: dict[str, Case] = {
     "defaults": Case({}),
     "gpu-tp2-rdma": Case({"model": {"tpSize": 2},
                           "transfer": {"protocol": "rdma", "device": "mlx5_0"},
@@ -74,6 +76,14 @@ CASES: dict[str, Case] = {
                  tp=(2, 4), replicas=(3, 2)),
     "long-release": Case({}, release=LONG_RELEASE),
     "every-option": Case(EVERY_OPTION, tp=(1, 1)),
+    "no-surge": Case({"prefill": {"replicas": 2, "strategy": {"maxSurge": 0,
+                                                               "maxUnavailable": 1}},
+                      "decode": {"replicas": 2, "terminationGracePeriodSeconds": 600,
+                                 "preStopSleepS": 20,
+                                 "strategy": {"maxSurge": 0, "maxUnavailable": "50%"}},
+                      "proxy": {"preStopSleepS": 3, "drainGraceS": 60}},
+                     replicas=(2, 2)),
+    "any-bootstrap": Case({"podNetworkCidrs": [], "allowAnyBootstrap": True}),
 }
 
 
@@ -84,6 +94,10 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) \
             else v
     return out
+
+
+CASES: dict[str, Case] = {name: replace(c, values=merged(NEEDED, c.values))
+                          for name, c in _CASES.items()}
 
 
 class Rendered:

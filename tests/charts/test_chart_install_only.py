@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.charts.cases import KEYS
+from tests.charts.cases import KEYS, NEEDED
 from tests.charts.helmtool import CHART, Helm
 from tests.charts.objects import of_kind
 
@@ -28,10 +28,18 @@ def _notes(helm: Helm, tmp_path: Path, values: dict[str, object]) -> str:
 
 
 def test_notes_defaults(helm: Helm, tmp_path: Path) -> None:
-    notes = _notes(helm, tmp_path, {})
+    notes = _notes(helm, tmp_path, NEEDED)
     assert "svc/pd-pd-appliance-proxy 8000" in notes
     assert "create secret generic pd-appliance-keys --from-file=keys/" in notes
-    assert "podNetworkCidrs is empty" in notes
+    assert "WARNING" not in notes
+
+
+def test_notes_warn_of_any_bootstrap_and_unreplaced_roles(helm: Helm, tmp_path: Path) -> None:
+    no_surge = {"replicas": 1, "strategy": {"maxSurge": 0, "maxUnavailable": 1}}
+    notes = _notes(helm, tmp_path, {"allowAnyBootstrap": True, "decode": no_surge})
+    assert "podNetworkCidrs is empty (allowAnyBootstrap)" in notes
+    assert "decode: one replica and maxSurge 0: every rollout stops decode" in notes
+    assert "prefill: one replica" not in notes
 
 
 def test_notes_inline_keys_and_no_network_policy(helm: Helm, tmp_path: Path) -> None:
@@ -47,7 +55,7 @@ def test_notes_inline_keys_and_no_network_policy(helm: Helm, tmp_path: Path) -> 
 @pytest.mark.parametrize(("kube", "api"), [("1.20.2", "policy/v1beta1"),
                                            ("1.21.0", "policy/v1"), ("1.33.0", "policy/v1")])
 def test_pdb_api_follows_the_cluster(helm: Helm, kube: str, api: str) -> None:
-    result = helm.template({}, "pd", CHART, "--kube-version", kube)
+    result = helm.template(NEEDED, "pd", CHART, "--kube-version", kube)
     assert result.rc == 0, result.out
     pdbs = of_kind(result.docs(), "PodDisruptionBudget")
     assert [p["apiVersion"] for p in pdbs] == [api] * 3

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.charts.cases import CASES, KEYS, Rendered
+from tests.charts.cases import CASES, KEYS, NEEDED, Rendered, merged
 from tests.charts.helmtool import Helm
 
 
@@ -52,16 +52,29 @@ BAD: dict[str, tuple[dict[str, Any], list[str]]] = {
     "short port range": ({"transfer": {"portRange": [17000, 17010]}},
                          ["transfer.portRange", "32"]),
     "bad cidr": ({"podNetworkCidrs": ["10.244.0.0"]}, ["podNetworkCidrs"]),
+    "no pod network": ({"podNetworkCidrs": []},
+                       ["podNetworkCidrs: empty", "allowAnyBootstrap=true"]),
+    "grace too short": ({"decode": {"terminationGracePeriodSeconds": 30}},
+                        ["decode.terminationGracePeriodSeconds", "45"]),
+    "preStop too long": ({"prefill": {"preStopSleepS": 31}}, ["prefill.preStopSleepS"]),
+    "strategy typo": ({"decode": {"strategy": {"maxSurge": 1, "maxUnavailable": 0,
+                                               "maxSurgee": 2}}}, ["maxSurgee"]),
+    "strategy both 0": ({"decode": {"strategy": {"maxSurge": 0, "maxUnavailable": "0%"}}},
+                        ["decode.strategy", "both 0"]),
+    "shutdown flag": ({"model": {"extraArgs": ["--shutdown-timeout", "5"]}},
+                      ["--shutdown-timeout", "terminationGracePeriodSeconds"]),
 }
 
 
 ACROSS_FIELDS = {"both key sources", "neither key source", "half the keys", "cpu with rdma",
-                 "managed flag", "pvc without claim", "short port range"}
+                 "managed flag", "pvc without claim", "short port range", "no pod network",
+                 "strategy both 0", "shutdown flag"}
 
 
 @pytest.mark.parametrize("name", BAD)
 def test_bad_values_refused(helm: Helm, name: str) -> None:
     values, words = BAD[name]
+    values = merged(NEEDED, values)
     result = helm.template(values)
     assert result.rc != 0, f"rendered despite {name}"
     for word in words:

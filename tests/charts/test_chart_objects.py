@@ -107,8 +107,9 @@ def test_ports_probes_and_services_agree(case: tuple[str, list[Doc]]) -> None:
             assert probes(c), f"{role}/{cname} has no probes"
             for kind, probe in probes(c):
                 assert port_number(c, probe_port(probe)) == port, (role, cname, kind)
-                if kind == "readinessProbe":
-                    assert probe["httpGet"]["path"] == "/health"
+                if kind == "readinessProbe":  # the proxy's: while it can answer
+                    assert probe["httpGet"]["path"] == ("/ready" if role == "proxy"
+                                                        else "/health")
     for svc in of_kind(docs, "Service"):
         w = workload(docs, svc["metadata"]["labels"][COMPONENT])
         for p in svc["spec"]["ports"]:
@@ -185,8 +186,9 @@ def test_kv_transfer_config(case: tuple[str, list[Doc]]) -> None:
         assert extra["side_channel_key_file"] == f"{KEYS_DIR}/{node_keys.SIDE_CHANNEL_KEY}"
         assert "allowed_bootstrap_addrs" not in extra
     pe, de = p["kv_connector_extra_config"], d["kv_connector_extra_config"]
-    assert pe["bootstrap_addr"] == f"http://$(POD_IP):{v['ports']['bootstrap']}"
-    assert "bootstrap_addr" not in de
+    # The port alone: the connector builds the URL from the pod IP (IPv6 in brackets).
+    assert pe["bootstrap_port"] == v["ports"]["bootstrap"] and "bootstrap_addr" not in pe
+    assert "bootstrap_addr" not in de and "bootstrap_port" not in de
     assert de.get("allowed_bootstrap_networks", []) == v["podNetworkCidrs"]
     assert ("allowed_bootstrap_networks" in de) == bool(v["podNetworkCidrs"])
     dargs = container(workload(docs, "decode"), "vllm")["args"]

@@ -96,13 +96,22 @@ imagePullSecrets:
   readOnly: true
 {{- end -}}
 
-{{/* Pod annotations: the user's, plus a digest of inline keys so new keys roll the pods. */}}
+{{/* Pod annotations: the user's, plus a digest of the keys, so new keys roll every pod
+     that mounts them: of the inline keys, or of keys.existingSecret's data as the cluster
+     has it now (lookup; `helm upgrade` after rotating the Secret rolls the pods). Where
+     lookup sees no cluster (helm template, --dry-run) or no such Secret yet, the digest is
+     of the Secret's name. */}}
 {{- define "pd-appliance.podAnnotations" -}}
 {{- $ctx := index . 0 -}}
 {{- $ann := deepCopy ((index . 1) | default dict) -}}
 {{- $k := $ctx.Values.keys -}}
 {{- if not $k.existingSecret -}}
 {{- $_ := set $ann "checksum/keys" (sha256sum (printf "%s\n%s\n%s" $k.apiKey $k.bootstrapToken $k.sideChannelKey)) -}}
+{{- else -}}
+{{- $secret := lookup "v1" "Secret" $ctx.Release.Namespace $k.existingSecret | default dict -}}
+{{- $data := get $secret "data" | default dict -}}
+{{- $digest := ternary (toJson $data) (printf "secret:%s" $k.existingSecret) (gt (len $data) 0) -}}
+{{- $_ := set $ann "checksum/keys" (sha256sum $digest) -}}
 {{- end -}}
 {{- with $ann }}
 annotations:

@@ -15,7 +15,8 @@
 {{- $keys := include "pd-appliance.keysDir" (index . 0) -}}
 {{- $extra := dict "protocol" $v.transfer.protocol "device_name" $v.transfer.device "host" "$(POD_IP)" "recv_timeout_s" $v.timeouts.kvRecvS "bootstrap_token_file" (printf "%s/bootstrap-token" $keys) "side_channel_key_file" (printf "%s/side-channel.key" $keys) -}}
 {{- if eq $role "prefill" -}}
-{{- $_ := set $extra "bootstrap_addr" (printf "http://$(POD_IP):%d" (int $v.ports.bootstrap)) -}}
+{{- /* The port, not a URL: the connector builds it from the pod IP (brackets for IPv6). */ -}}
+{{- $_ := set $extra "bootstrap_port" (int $v.ports.bootstrap) -}}
 {{- $_ := set $extra "send_timeout_s" $v.timeouts.kvSendS -}}
 {{- with $v.transfer.internalNetworks }}{{ $_ := set $extra "internal_networks" . }}{{ end -}}
 {{- else -}}
@@ -24,6 +25,22 @@
 {{- end -}}
 {{- $role_ := ternary "kv_producer" "kv_consumer" (eq $role "prefill") -}}
 {{- toJson (dict "kv_connector" "PDConnector" "kv_connector_module_path" "appliance.connector" "kv_role" $role_ "engine_id" "$(POD_NAME)" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $extra) -}}
+{{- end -}}
+
+{{/* How long vLLM drains on SIGTERM: the grace period less preStop's sleep and 10 s to
+     exit (the schema keeps it >= 5). Call with (list $ "prefill"). */}}
+{{- define "pd-appliance.shutdownTimeout" -}}
+{{- $r := index (index . 0).Values (index . 1) -}}
+{{- sub (sub (int $r.terminationGracePeriodSeconds) (int $r.preStopSleepS)) 10 -}}
+{{- end -}}
+
+{{/* preStop: sleep while the endpoints drop the pod, so nothing new arrives after SIGTERM
+     (the images have coreutils' sleep). */}}
+{{- define "pd-appliance.preStopSleep" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: [sleep, {{ . | int | quote }}]
 {{- end -}}
 
 {{/* vLLM's command line after the image's entrypoint (which runs the RDMA preflight: so
@@ -45,6 +62,8 @@
       "--gpu-memory-utilization" (toString $m.gpuMemoryUtilization)) -}}
 {{- with $m.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int64 .))) }}{{ end -}}
 {{- with $m.kvCacheBytes }}{{ $args = concat $args (list "--kv-cache-memory-bytes" (toString (int64 .))) }}{{ end -}}
+{{- /* SIGTERM: finish what is in flight (vLLM's default 0 aborts it all). */ -}}
+{{- $args = concat $args (list "--shutdown-timeout" (include "pd-appliance.shutdownTimeout" .)) -}}
 {{- $args = concat $args (list "--kv-transfer-config" (include "pd-appliance.kvTransferConfig" .)) -}}
 {{- $args = concat $args $m.extraArgs (ternary $m.prefillExtraArgs $m.decodeExtraArgs (eq $role "prefill")) -}}
 {{- toYaml $args -}}
@@ -158,9 +177,12 @@ livenessProbe:
 {{- end }}
 {{- end -}}
 
-{{/* The sidecar P's workers register with and the proxy and D query (same pod IP). */}}
+{{/* The sidecar P's workers register with and the proxy and D query (same pod IP). It
+     stops after vLLM: D may still ask it for P's workers while vLLM drains, so its preStop
+     waits until vLLM's port closes (within vLLM's own drain time). */}}
 {{- define "pd-appliance.bootstrapContainer" -}}
 {{- $v := .Values -}}
+{{- $drain := include "pd-appliance.shutdownTimeout" (list . "prefill") | int -}}
 - name: bootstrap
   image: {{ include "pd-appliance.slimImage" . }}
   imagePullPolicy: {{ $v.images.pullPolicy }}
@@ -181,6 +203,22 @@ livenessProbe:
       valueFrom: {fieldRef: {fieldPath: status.podIP}}
   ports:
     - {name: bootstrap, containerPort: {{ $v.ports.bootstrap }}, protocol: TCP}
+  lifecycle:
+    preStop:
+      exec:
+        command:
+          - python
+          - -c
+          - |
+            import os, socket, time
+            time.sleep({{ $v.prefill.preStopSleepS | int }})
+            end = time.monotonic() + {{ $drain }}
+            while time.monotonic() < end:
+                try:
+                    socket.create_connection((os.environ["POD_IP"], {{ $v.ports.prefill | int }}), 2).close()
+                except OSError:
+                    break
+                time.sleep(1)
   readinessProbe:
     httpGet: {path: /health, port: bootstrap}
     periodSeconds: 5

@@ -1,8 +1,9 @@
 {{/* P's and D's Deployment. A Deployment, not a StatefulSet: each pod's name is its
      engine id, so a replacement pod is a new engine (no stale KV or side-channel addresses
      under an old id), it comes up at once when a node dies (a StatefulSet waits until the
-     old pod is known gone), and nothing per pod is stored. maxSurge 0: a surge pod would
-     need GPUs beside the old ones; the PodDisruptionBudget bounds voluntary evictions. */}}
+     old pod is known gone), and nothing per pod is stored. The rollout strategy is the
+     role's (values.yaml: surge by default; maxSurge 0 where no GPU is spare); the
+     PodDisruptionBudget bounds voluntary evictions. */}}
 {{- define "pd-appliance.vllmDeployment" -}}
 {{- $ctx := index . 0 -}}
 {{- $role := index . 1 -}}
@@ -19,7 +20,7 @@ spec:
   revisionHistoryLimit: 3
   strategy:
     type: RollingUpdate
-    rollingUpdate: {maxSurge: 0, maxUnavailable: 1}
+    rollingUpdate: {maxSurge: {{ $r.strategy.maxSurge | toJson }}, maxUnavailable: {{ $r.strategy.maxUnavailable | toJson }}}
   selector:
     matchLabels:
       {{- include "pd-appliance.selectorLabels" . | nindent 6 }}
@@ -31,7 +32,8 @@ spec:
     spec:
       automountServiceAccountToken: false  # P and D never talk to the API server
       enableServiceLinks: false
-      terminationGracePeriodSeconds: 60
+      # preStop's sleep, vLLM's drain (--shutdown-timeout), 10 s to exit
+      terminationGracePeriodSeconds: {{ $r.terminationGracePeriodSeconds | int }}
       {{- with (include "pd-appliance.pullSecrets" $ctx | trim) }}{{ . | nindent 6 }}{{ end }}
       {{- include "pd-appliance.podSecurityContext" $ctx | nindent 6 }}
       {{- with (include "pd-appliance.scheduling" . | trim) }}{{ . | nindent 6 }}{{ end }}
@@ -46,6 +48,7 @@ spec:
           ports:
             - {name: http, containerPort: {{ index $v.ports $role | int }}, protocol: TCP}
           {{- include "pd-appliance.httpProbes" (list "http" (div (add (int $v.timeouts.startupS) 9) 10)) | trim | nindent 10 }}
+          {{- include "pd-appliance.preStopSleep" $r.preStopSleepS | nindent 10 }}
           resources:
             {{- include "pd-appliance.vllmResources" . | nindent 12 }}
           securityContext:
