@@ -37,15 +37,30 @@ def _is_error(line: str) -> bool:
     return bool(_EXCEPTION.match(line)) or bool(_VERDICT.search(line))
 
 
+def _continues_not(line: str) -> bool:
+    return line.startswith(("File \"", "^", "~", "For further information"))
+
+
 def error_excerpt(text: str, limit: int = 4) -> list[str]:
     """Up to `limit` distinct error lines, oldest first (the root cause tends to come
     first); the last lines of the log when none looks like an error."""
     seen: dict[str, None] = {}
+    last: str | None = None  # the error line a continuation line would belong to
     for raw in text.splitlines():
         line = _strip(raw)
         if not _below_error(raw) and _is_error(line):
             seen.pop(line, None)  # a repeat moves to the end: its latest place counts
             seen[line] = None
+            last = line
+        elif last is not None and raw[:1].isspace() and line and not _continues_not(line):
+            # A multi-line message (pydantic's "1 validation error for X" + "  Value error,
+            # ..."): its first continuation belongs to it.
+            seen.pop(last)
+            last = f"{last}: {line}"
+            seen[last] = None
+            last = None
+        else:
+            last = None
     found = list(seen)
     if not found:
         tail = [s for s in (_strip(r) for r in text.splitlines()) if s]
