@@ -313,3 +313,34 @@ def test_build_script_cpu_stack_and_bad_flags(tmp_path):
         res = subprocess.run(["bash", str(ROOT / "images/build.sh"), *args],
                              capture_output=True, text=True, timeout=60, env=env)
         assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_both_vllm_images_carry_and_prove_the_run_time_toolchain():
+    """vLLM compiles at run time (Triton's launcher on GPUs, inductor's C++ on CPUs): the
+    base installs the compilers and Python's headers, every vLLM image's build proves them
+    against its own venv, and the compile caches sit where compose mounts its volume."""
+    base = (ROOT / "images/base/Dockerfile").read_text()
+    for pkg in ("gcc", "g++", "libc6-dev", "python3-dev"):
+        assert f" {pkg} " in base, pkg
+    assert "pd-toolchain-check python3" in base
+    cache = "/var/cache/pd-appliance"
+    for image in ("vllm", "vllm-cpu"):
+        text = (ROOT / f"images/{image}/Dockerfile").read_text()
+        assert "RUN pd-toolchain-check /opt/venv/bin/python" in text, image
+        assert f"VLLM_CACHE_ROOT={cache}/vllm" in text, image
+        assert f"TORCHINDUCTOR_CACHE_DIR={cache}/inductor" in text, image
+    assert "torch.compile(" in (ROOT / "images/vllm-cpu/Dockerfile").read_text()
+    assert f"- compile-cache:{cache}" in (ROOT / "compose.yaml").read_text()
+
+
+def test_toolchain_check_builds_a_c_extension_or_says_why_not(tmp_path):
+    script = ROOT / "images/base/pd-toolchain-check.sh"
+    ok = subprocess.run(["sh", str(script), sys.executable], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("pd-toolchain-check: ok: a C extension module for ")
+    for var in ("CC", "CXX"):
+        bad = subprocess.run(["sh", str(script), sys.executable], capture_output=True,
+                             text=True, timeout=120,
+                             env={**os.environ, var: str(tmp_path / "no-compiler")})
+        assert bad.returncode != 0 and "no-compiler" in bad.stderr, (var, bad.stderr)
