@@ -61,9 +61,29 @@ done
   "(compose.yaml: devices: [/dev/infiniband])"
 
 # --- memlock ------------------------------------------------------------------------------
+# RDMA pins (registers) the KV cache. With CAP_IPC_LOCK effective, locking memory is not
+# bounded by RLIMIT_MEMLOCK: enough on its own, as on Kubernetes, where a pod spec cannot
+# raise that ulimit (the runtime's default is 8 MiB) but can add the capability.
 memlock="$(awk '/^Max locked memory/ { print $4 }' "${root}/proc/self/limits" 2>/dev/null || true)"
-[ "${memlock}" = "unlimited" ] || fail "memlock is ${memlock:-unknown} bytes, not unlimited:" \
-  "RDMA pins the KV cache (compose.yaml: ulimits memlock -1 and cap_add IPC_LOCK)"
+capeff="$(awk '/^CapEff:/ { print $2 }' "${root}/proc/self/status" 2>/dev/null || true)"
+ipc_lock=""
+case "${capeff}" in
+  ""|*[!0-9a-fA-F]*) ;;
+  *)
+    low="${capeff}"
+    [ "${#low}" -le 4 ] || low="${low#"${low%????}"}"  # bits 0-15: CAP_IPC_LOCK is bit 14
+    if [ $(( (0x${low} >> 14) & 1 )) -eq 1 ]; then ipc_lock="yes"; fi
+    ;;
+esac
+if [ "${memlock}" = "unlimited" ]; then
+  locked="memlock unlimited"
+elif [ -n "${ipc_lock}" ]; then
+  locked="memlock ${memlock:-unknown} bytes with CAP_IPC_LOCK"
+else
+  fail "memlock is ${memlock:-unknown} bytes, not unlimited, and CAP_IPC_LOCK is not" \
+    "effective: RDMA pins the KV cache (compose.yaml: ulimits memlock -1 and cap_add" \
+    "IPC_LOCK; Kubernetes: securityContext.capabilities.add [IPC_LOCK])"
+fi
 
 # --- GPUDirect ----------------------------------------------------------------------------
 peermem_ok() { [ -d "${root}/sys/module/nvidia_peermem" ]; }
@@ -97,5 +117,5 @@ if [ -z "${via}" ]; then
   esac
 fi
 
-echo "pd-preflight: ok: ${device} port ${port} ACTIVE (${rate}), ${uverbs}, memlock unlimited," \
+echo "pd-preflight: ok: ${device} port ${port} ACTIVE (${rate}), ${uverbs}, ${locked}," \
   "GPUDirect via ${via}"
