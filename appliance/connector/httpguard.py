@@ -22,10 +22,36 @@ from appliance.connector.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.appliance.connector.httpguard")
 
-# Bodies larger than this are left to vLLM (which bounds them itself); a prompt with
-# kv_transfer_params is far smaller.
+# A body past this is refused (413) rather than passed on uninspected; a decode request,
+# prompt included, is far smaller.
 MAX_INSPECT_BYTES = 64 << 20
-_MARKER = b"kv_transfer_params"
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One value per key: parsers disagree on which duplicate wins (Python's last, others
+    first), so a body whose meaning depends on it is refused."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Duplicate(f"the request body names {key!r} twice")
+        out[key] = value
+    return out
+
+
+def parse_body(body: bytes) -> tuple[Any, str | None]:
+    """(the parsed JSON, None) or (None, why it is refused). Decided on the parsed keys,
+    never on the raw bytes: an escape ("kv_transfer_param\\u0073") names the same key."""
+    try:
+        return json.loads(body, object_pairs_hook=_no_duplicates), None
+    except _Duplicate as exc:
+        return None, str(exc)
+    except (ValueError, RecursionError):
+        # What this parser cannot read, vLLM's must not be trusted to read differently.
+        return None, "the request body is not valid JSON"
 
 
 def bootstrap_problem(settings: ConnectorSettings, body: dict[str, Any]) -> str | None:
@@ -40,9 +66,9 @@ def bootstrap_problem(settings: ConnectorSettings, body: dict[str, Any]) -> str 
     return None
 
 
-def _error(message: str) -> bytes:
+def _error(message: str, status: int) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": "kv_transfer_params", "code": 400}}).encode()
+                                 "param": "kv_transfer_params", "code": status}}).encode()
 
 
 class KVParamsGuard:
@@ -88,20 +114,20 @@ class KVParamsGuard:
             if size > MAX_INSPECT_BYTES:
                 break
         body = b"".join(chunks)
-        if not more and _MARKER in body:
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                parsed = None  # vLLM answers malformed JSON itself
-            problem = bootstrap_problem(settings, parsed) if isinstance(parsed, dict) else None
-            if problem:
-                log.warning("refused %s: %s", scope.get("path"), problem)
-                payload = _error(problem)
-                await send({"type": "http.response.start", "status": 400,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(payload)).encode())]})
-                await send({"type": "http.response.body", "body": payload})
-                return
+        status, problem = (413, f"the request body exceeds {MAX_INSPECT_BYTES} bytes") \
+            if more else (400, None)
+        if problem is None:
+            parsed, problem = parse_body(body)
+            if problem is None and isinstance(parsed, dict):
+                problem = bootstrap_problem(settings, parsed)
+        if problem:
+            log.warning("refused %s: %s", scope.get("path"), problem)
+            payload = _error(problem, status)
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            return
 
         replayed = False
 
