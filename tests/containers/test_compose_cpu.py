@@ -19,13 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from appliance import kvbudget
 from appliance.pdctl.config import parse_config
 from appliance.pdctl.configtoml import to_toml
 from appliance.process import (
     CPU_BLOCK_SIZE,
-    CPU_SERVE_FLAGS,
     ServiceProcess,
     cpu_env,
+    kv_cache_flags,
     vllm_serve_argv,
 )
 from tests import netlisten
@@ -105,12 +106,14 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny_model, tmp_path_factory):
-    """A plain server's answers, taken before the containers run (two cores only)."""
+    """A plain server's answers, taken before the containers run (two cores only). It runs
+    vLLM's defaults, as the node's P and D do: a compiled graph and an eager one differ in
+    the last bits, and greedy output with them (measured: token 7 of the first prompt)."""
     port = free_port()
     proc = ServiceProcess(
         "plain-vllm", vllm_serve_argv(tiny_model, port, served_model_name="tiny",
                                       block_size=CPU_BLOCK_SIZE, max_model_len=2048,
-                                      extra=CPU_SERVE_FLAGS),
+                                      extra=kv_cache_flags(kvbudget.FLOOR)),
         tmp_path_factory.mktemp("plain") / "vllm.log", env=cpu_env("0"),
         health_url=f"http://127.0.0.1:{port}/health", cpus=[0])
     proc.start()
@@ -139,8 +142,7 @@ def node(engine, expected, tiny_model, tmp_path_factory):
     assert res.returncode == 0, res.stderr
     data = tomllib.loads(config.read_text())
     assert data["ports"] == ports and data["stack"] == "cpu"
-    # No vLLM flag added: P and D compile their graphs with the image's g++, as for a user
-    # (the cluster case below takes --enforce-eager to save time; this one covers the default).
+    # No vLLM flag added: P and D compile their graphs with the image's g++, as for a user.
     assert "extra_args" not in data["model"]
     data["compose"] = {"project": PROJECT}
     config.write_text(to_toml(parse_config(data)))
@@ -274,7 +276,6 @@ stack = "cpu"
 path = "{model}"
 served_name = "tiny"
 max_model_len = 2048
-extra_args = ["--enforce-eager"]
 [proxy]
 host = "d"
 [ports]
