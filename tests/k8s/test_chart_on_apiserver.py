@@ -6,7 +6,9 @@ own service account and Role:
   (topology spread) with their GPU requests, and what exceeds the nodes' GPUs stays Pending;
 - Services get endpoints once pods are marked Ready;
 - the proxy, started with the arguments of the chart's proxy Deployment, sees the Ready
-  pods, and sees them come and go (not Ready, deleted and replaced) without a restart."""
+  pods, and sees them come and go (not Ready, deleted and replaced) without a restart;
+- rotating the data of keys.existingSecret and `helm upgrade` changes the pod template of
+  every Deployment that mounts the keys (a rollout), and an upgrade without it changes none."""
 
 from __future__ import annotations
 
@@ -290,3 +292,62 @@ def test_what_exceeds_the_gpus_stays_pending(k8s, installed):
     message = " ".join(c.get("message", "") for p in pending
                        for c in p["status"].get("conditions") or [])
     assert "nvidia.com/gpu" in message
+
+
+def _keys_templates(cp, release: str) -> dict[str, tuple[str, int]]:
+    """Each keys-mounting Deployment's keys digest and generation (bumped by a template
+    change only)."""
+    out = {}
+    for component in ("prefill", "decode", "proxy"):
+        d = cp.request("GET", f"/apis/apps/v1/namespaces/{NS}/deployments/"
+                              f"{release}-pd-appliance-{component}")
+        annotations = d["spec"]["template"]["metadata"].get("annotations") or {}
+        out[component] = (annotations.get("checksum/keys"), d["metadata"]["generation"])
+    return out
+
+
+def test_rotating_an_existing_secret_rolls_every_pod_that_reads_it(k8s, tmp_path):
+    """A release of its own with no pods (replicas 0: it takes no GPU from the others);
+    what a rollout needs is a changed pod template, and the controller's new ReplicaSet."""
+    import hashlib
+
+    cp = k8s[0]
+    release, secret = "rot", "rot-keys"
+    path = f"/api/v1/namespaces/{NS}/secrets"
+
+    def secret_body(node_keys) -> dict:
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret},
+                "data": {p.name: b64(p.read_text()) for p in sorted(node_keys.dir.iterdir())}}
+
+    cp.request("POST", path, secret_body(keys.ensure(tmp_path / "keys")))
+    values = {**_values(decode_replicas=0), "prefill": {"replicas": 0},
+              "proxy": {"replicas": 0}, "keys": {"existingSecret": secret}}
+    _helm(k8s, "install", release, str(CHART), values=values)
+    try:
+        first = _keys_templates(cp, release)
+        digests = {digest for digest, _ in first.values()}
+        assert len(digests) == 1 and None not in digests
+        # the Secret's data, not its name (what helm template, with no cluster, falls back to)
+        assert digests != {hashlib.sha256(f"secret:{secret}".encode()).hexdigest()}
+        _helm(k8s, "upgrade", release, str(CHART), values=values)
+        assert _keys_templates(cp, release) == first  # same keys: no rollout
+        rotated = keys.ensure(tmp_path / "keys", rotate=True)
+        cp.request("PUT", f"{path}/{secret}", secret_body(rotated))
+        _helm(k8s, "upgrade", release, str(CHART), values=values)
+        after = _keys_templates(cp, release)
+        for component, (digest, generation) in after.items():
+            assert digest != first[component][0], component
+            assert generation > first[component][1], component
+
+        def new_replica_sets() -> bool:
+            sel = f"app.kubernetes.io/instance={release}"
+            sets = cp.request("GET", f"/apis/apps/v1/namespaces/{NS}/replicasets"
+                                     f"?labelSelector={sel}")["items"]
+            per = Counter(rs["metadata"]["labels"]["app.kubernetes.io/component"]
+                          for rs in sets)
+            return per == Counter({"prefill": 2, "decode": 2, "proxy": 2})
+
+        _until("a new ReplicaSet per keys-mounting Deployment", new_replica_sets)
+    finally:
+        _helm(k8s, "uninstall", release)
+        cp.request("DELETE", f"{path}/{secret}")
