@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +35,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PD_TEST_CACHE") or Path.home() / ".cache/pd-appliance-tests")
 
 
-def ensure_packages(log: Path) -> None:
-    """docker.io and debootstrap from apt when missing (root only)."""
-    missing = [pkg for tool, pkg in APT_PACKAGES.items() if shutil.which(tool) is None]
+def ensure_packages(log: Path, packages: Mapping[str, str] = APT_PACKAGES) -> None:
+    """docker.io and debootstrap (or `packages`: a tool or file -> the Debian package that
+    has it) from apt when missing (root only)."""
+    missing = sorted({pkg for tool, pkg in packages.items()
+                      if not (Path(tool).exists() if Path(tool).is_absolute()
+                              else shutil.which(tool))})
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:

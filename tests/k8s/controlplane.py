@@ -2,10 +2,12 @@
 kube-controller-manager and kube-scheduler (v1.20.2, built by build-control-plane.sh), every
 one bound to 127.0.0.1 (or not serving at all) and stopped by its process group.
 
-There is no kubelet: Node objects with GPU capacity stand in for hosts (the scheduler places
-pods on them by their requests), and a test marks a pod Running and Ready by patching its
-status, as a kubelet would. The node lifecycle controller is off, so nodes that never send
-a heartbeat are not tainted away mid-test."""
+By default there is no kubelet: Node objects with GPU capacity stand in for hosts (the
+scheduler places pods on them by their requests), and a test marks a pod Running and Ready
+by patching its status, as a kubelet would. The node lifecycle controller is off, so nodes
+that never send a heartbeat are not tainted away mid-test. With `real_nodes` (node.py runs a
+kubelet) pods get service account tokens and the node lifecycle controller runs, as in a
+cluster."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Any
 from tests.conftest import ROOT, free_port
 
 VERSION = "1.20.2"
+SERVICE_CIDR = "10.96.0.0/16"  # the `kubernetes` Service is its first address
 BUILD = ROOT / "tests" / "k8s" / "build-control-plane.sh"
 
 
@@ -151,9 +154,14 @@ def _service_account_key(path: Path) -> None:
 
 
 @contextmanager
-def control_plane(work: Path, users: dict[str, str] | None = None) -> Iterator[ControlPlane]:
+def control_plane(work: Path, users: dict[str, str] | None = None, *,
+                  advertise: str = "127.0.0.1",
+                  real_nodes: bool = False) -> Iterator[ControlPlane]:
     """Everything started on 127.0.0.1, stopped by process group afterwards. `users`: user
-    name -> group of extra static-token identities (e.g. a service account's)."""
+    name -> group of extra static-token identities (e.g. a service account's). `advertise`:
+    the address the `kubernetes` Service's endpoint names (where a node's pods find the API
+    server; the serving certificate names it too). `real_nodes`: pods get service account
+    tokens (admission and token controller on) and nodes a lifecycle controller."""
     bins = binaries()
     etcd = etcd_binary()
     work.mkdir(parents=True, exist_ok=True)
@@ -177,24 +185,26 @@ def control_plane(work: Path, users: dict[str, str] | None = None) -> Iterator[C
                             "--listen-metrics-urls", ""])
         _start(cp, "kube-apiserver", [
             str(bins / "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{client}",
-            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+            "--bind-address", "127.0.0.1", "--advertise-address", advertise,
             "--secure-port", str(port), "--insecure-port", "0",
             "--cert-dir", str(work / "certs"), "--token-auth-file", str(work / "tokens.csv"),
             "--authorization-mode", "RBAC", "--allow-privileged",
             "--service-account-key-file", str(work / "sa.key"),
             "--service-account-signing-key-file", str(work / "sa.key"),
             "--service-account-issuer", "https://kubernetes.default.svc",
-            "--service-cluster-ip-range", "10.96.0.0/16",
-            # No token controller runs: pods name their service account without a token
-            # volume being added (the proxy in these tests runs outside the cluster).
-            "--disable-admission-plugins", "ServiceAccount"])
+            "--service-cluster-ip-range", SERVICE_CIDR,
+            # Without real nodes no token controller runs: pods name their service account
+            # without a token volume being added (the proxy runs outside the cluster).
+            *([] if real_nodes else ["--disable-admission-plugins", "ServiceAccount"])])
         _wait_api(cp, 120)
         kubeconfig = str(cp.kubeconfig())
         _start(cp, "kube-controller-manager", [
             str(bins / "kube-controller-manager"), "--kubeconfig", kubeconfig,
             "--leader-elect=false", "--port", "0", "--secure-port", "0",
-            "--controllers", "*,-nodelifecycle,-serviceaccount-token",
-            "--use-service-account-credentials=false"])
+            "--use-service-account-credentials=false",
+            *(["--controllers", "*", "--service-account-private-key-file", str(work / "sa.key"),
+               "--root-ca-file", str(cp.ca_file)] if real_nodes else
+              ["--controllers", "*,-nodelifecycle,-serviceaccount-token"])])
         _start(cp, "kube-scheduler", [
             str(bins / "kube-scheduler"), "--kubeconfig", kubeconfig, "--leader-elect=false",
             "--port", "0", "--secure-port", "0"])
