@@ -79,7 +79,10 @@ def failing(c: ContainerState, restarts_before: int) -> bool:
 
 def failure(api: DockerApi, project: str, c: ContainerState) -> PdctlError:
     """One line for what happened, and the cause from the container's own log."""
-    what = c.health if c.health == "unhealthy" and c.state == "running" else c.state
+    if c.state == "running":  # Docker resets the exit code at each start: not known here
+        what = "unhealthy" if c.health == "unhealthy" else "exited and was restarted"
+    else:
+        what = c.state
     facts = [f"exit code {c.exit_code}"] if c.exit_code else []
     if c.restarts:
         facts.append(f"restarted {c.restarts} time{'s' if c.restarts != 1 else ''}")
