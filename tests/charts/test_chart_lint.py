@@ -63,6 +63,8 @@ BAD: dict[str, tuple[dict[str, Any], list[str]]] = {
                         ["decode.strategy", "both 0"]),
     "shutdown flag": ({"model": {"extraArgs": ["--shutdown-timeout", "5"]}},
                       ["--shutdown-timeout", "terminationGracePeriodSeconds"]),
+    "cpu request": ({"stack": "cpu", "decode": {"cpuRequest": "half"}},
+                    ["decode.cpuRequest"]),
 }
 
 

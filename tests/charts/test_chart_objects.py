@@ -147,7 +147,8 @@ def test_replicas_gpus_and_devices(case: tuple[str, list[Doc]]) -> None:
             assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == str(tp)
         else:
             cpus = str(v[role]["cpus"])
-            assert res["requests"]["cpu"] == res["limits"]["cpu"] == cpus
+            assert res["limits"]["cpu"] == cpus
+            assert res["requests"]["cpu"] == (v[role].get("cpuRequest") or cpus)
             assert env(c).get("VLLM_CPU_OMP_THREADS_BIND", {"value": "auto"})["value"] == "auto"
             assert flag(c["args"], "--block-size") == "32"
             assert flag(c["args"], "--kv-cache-memory-bytes") == str(1 << 30)

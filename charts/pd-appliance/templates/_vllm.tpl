@@ -85,8 +85,9 @@ lifecycle:
 {{- else -}}
 {{- /* requests = limits in whole CPUs: a Guaranteed pod gets cores of its own from the
        static CPU manager, and vLLM's OpenMP threads bind to the CPUs it is allowed
-       (VLLM_CPU_OMP_THREADS_BIND stays auto). */ -}}
-{{- $_ := set $requests "cpu" (toString (int $r.cpus)) -}}
+       (VLLM_CPU_OMP_THREADS_BIND stays auto). cpuRequest below cpus makes it Burstable:
+       pods share cores, so a rollout's surge pod fits a node with no spare core. */ -}}
+{{- $_ := set $requests "cpu" (($r.cpuRequest | default "") | toString | default (toString (int $r.cpus))) -}}
 {{- $_ := set $limits "cpu" (toString (int $r.cpus)) -}}
 {{- end -}}
 {{- if eq $v.transfer.protocol "rdma" -}}
