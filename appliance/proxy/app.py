@@ -23,10 +23,11 @@ from appliance.connector import curve
 from appliance.httperrors import json_error
 from appliance.proxy import first_token
 from appliance.proxy.admission import Admission
-from appliance.proxy.backends import Backend, Backends, HealthPoller
+from appliance.proxy.backends import Backend, Backends
 from appliance.proxy.discovery import KubernetesDiscovery
 from appliance.proxy.errors import ProxyError
 from appliance.proxy.exchange import Exchange
+from appliance.proxy.health import HealthPoller
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.ownership import Holder, Pulls
 from appliance.proxy.record import Record
@@ -107,9 +108,9 @@ class Proxy:
         self.poller.start()
         self.upstreams.start()
         if self.settings.discovery == "kubernetes":
-            # Nodes come and go with the pods; the poller checks each new one.
+            # Nodes come and go with the pods; the poller checks each new one at once.
             self.discovery = KubernetesDiscovery(self.settings.kubernetes,
-                                                 self.backends.reconcile)
+                                                 self.poller.reconcile)
             self.discovery.start()
 
     async def stop(self, _app: web.Application | None = None) -> None:

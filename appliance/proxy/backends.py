@@ -1,4 +1,4 @@
-"""Prefill and decode nodes, their health, and the poller that keeps it current (seeds 6-7).
+"""Prefill and decode nodes and their health (seeds 6-7; the checks: appliance.proxy.health).
 
 Membership changes at run time (`Backends.reconcile`, fed by the static settings at start
 and by appliance.proxy.discovery after): a node is a *member* (in rotation once its health
@@ -9,17 +9,12 @@ once it holds nothing). A leaving node that reappears is a member again.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import aiohttp
-
-from appliance.bootstrap.wire import decode_query
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.settings import DecodeNode, PrefillNode, ProxySettings
 
@@ -147,16 +142,20 @@ class Backends:
 
     # ---- membership ------------------------------------------------------------------
 
-    def reconcile(self, prefill: Sequence[PrefillNode], decode: Sequence[DecodeNode]) -> None:
+    def reconcile(self, prefill: Sequence[PrefillNode],
+                  decode: Sequence[DecodeNode]) -> list[Backend]:
         """The one place membership changes: these are the nodes now. New ones join out of
-        rotation (the poller's next round checks them), missing ones start leaving, leaving
-        ones named again come back; leaving ones that hold nothing are dropped."""
+        rotation (returned: HealthPoller.reconcile checks them at once), missing ones start
+        leaving, leaving ones named again come back; leaving ones that hold nothing are
+        dropped."""
+        before = {id(b) for b in self.all()}
         self.prefill = self._merge("prefill", self.prefill, {n.url: n for n in prefill},
                                    self._new_prefill)
         self.decode = self._merge("decode", self.decode, {n.url: n for n in decode},
                                   lambda n: Backend("decode", n.url))
         self.sweep()
         self._refresh()
+        return [b for b in self.all() if id(b) not in before]
 
     @staticmethod
     def _new_prefill(n: PrefillNode) -> PrefillBackend:
@@ -287,99 +286,3 @@ class Backends:
             "prefill": [b.describe() for b in self.prefill],
             "decode": [b.describe() for b in self.decode],
         }
-
-
-class HealthPoller:
-    """Every interval: each P's /health then its bootstrap's /query, each D's /health."""
-
-    def __init__(self, backends: Backends, session: aiohttp.ClientSession,
-                 settings: ProxySettings, headers: dict[str, str]) -> None:
-        self.backends = backends
-        self.session = session
-        self.interval = settings.health_interval_s
-        self.timeout = aiohttp.ClientTimeout(total=settings.health_timeout_s)
-        self.headers = headers  # for P and D (vLLM's --api-key)
-        self.bootstrap_headers = ({"Authorization": f"Bearer {settings.bootstrap_token}"}
-                                  if settings.bootstrap_token else None)
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="proxy-health-poller")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-
-    async def _run(self) -> None:
-        while True:
-            started = time.monotonic()
-            await self.poll_once()
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
-
-    async def poll_once(self) -> None:
-        # The nodes known now: ones added since the last round are checked, dropped ones not.
-        self.backends.sweep()
-        checks = [self._check_prefill(b) for b in self.backends.prefill]
-        checks += [self._check_decode(b) for b in self.backends.decode]
-        await asyncio.gather(*checks)
-
-    async def _get(self, url: str, headers: dict[str, str] | None = None) -> bytes:
-        async with self.session.get(url, timeout=self.timeout, headers=headers) as resp:
-            body = await resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"GET {url} answered {resp.status}")
-            return body
-
-    async def _check_decode(self, b: Backend) -> None:
-        try:
-            await self._get(f"{b.url}/health", self.headers)
-        except Exception as exc:  # noqa: BLE001 - any failure takes the node out
-            b.max_model_len = None  # a restarted node may serve another length
-            self.backends.set_health(b, False, _reason(exc))
-            return
-        self.backends.set_health(b, True)
-        if b.max_model_len is None:
-            try:
-                b.max_model_len = _max_model_len(
-                    await self._get(f"{b.url}/v1/models", self.headers))
-            except Exception as exc:  # noqa: BLE001 - only an optimisation depends on it
-                log.debug("decode %s: no max_model_len from /v1/models: %s", b.url, exc)
-
-    async def _check_prefill(self, b: PrefillBackend) -> None:
-        try:
-            await self._get(f"{b.url}/health", self.headers)
-        except Exception as exc:  # noqa: BLE001
-            # A restarted P registers a new engine id: forget the old ones.
-            self.backends.set_health(b, False, _reason(exc), engine_ids={})
-            return
-        try:
-            answer = decode_query(await self._get(f"{b.bootstrap_url}/query",
-                                                  self.bootstrap_headers))
-            engine_ids = {int(rank): view.engine_id for rank, view in answer.items()}
-            side_channels = {int(rank): [addr for pps in view.worker_addr.values()
-                                         for addr in pps.values()]
-                             for rank, view in answer.items()}
-        except Exception as exc:  # noqa: BLE001
-            self.backends.set_health(b, True, f"bootstrap: {_reason(exc)}", engine_ids={})
-            return
-        error = None if engine_ids else "bootstrap knows no engine id yet"
-        self.backends.set_health(b, True, error, engine_ids=engine_ids,
-                                 side_channels=side_channels)
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    return str(exc) or type(exc).__name__
-
-
-def _max_model_len(raw: bytes) -> int | None:
-    """The smallest `max_model_len` vLLM's /v1/models lists (None: none listed)."""
-    data = json.loads(raw).get("data") or []
-    lengths = [m["max_model_len"] for m in data
-               if isinstance(m, dict) and type(m.get("max_model_len")) is int]
-    return min(lengths) if lengths else None

@@ -225,6 +225,41 @@ async def test_the_proxy_serves_through_discovered_pods(api: FakeKubeApi,
         b.side.close()
 
 
+async def test_a_discovered_pod_is_checked_at_once_not_at_the_next_round(
+        api: FakeKubeApi, tmp_path: Path) -> None:
+    """In a rollout the pod a new one replaces leaves moments after the new one is Ready:
+    were the new one in rotation only after the poller's next round, no node of its role
+    would be for up to an interval (requests got 503s on a real node). Here the interval is
+    an hour, and the pods appear after the first round."""
+    p, b, d = FakeVLLM("p"), FakeBootstrap({0: "engine-p"}), FakeVLLM("d")
+    for node in (p, b, d):
+        await node.start()
+    settings = ProxySettings.model_validate({**FAST, "health_interval_s": 3600,
+                                             "discovery": "kubernetes",
+                                             "kubernetes": k8s_settings(
+                                                 api, tmp_path, prefill_port=p.port,
+                                                 decode_port=d.port, bootstrap_port=b.port)})
+    proxy = await serve(settings)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
+            async def ready() -> bool:
+                async with http.get(f"{proxy.url}/ready") as r:
+                    return r.status == 200
+            assert not await ready()  # no pod yet; the poller's first round is done
+            api.set_pod("r-prefill-0", P, "127.0.0.1")
+            api.set_pod("r-decode-0", D, "127.0.0.1")
+            await until(ready, timeout=5)
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+            async with http.post(f"{proxy.url}/v1/completions", json=body) as r:
+                assert r.status == 200
+    finally:
+        await proxy.close()
+        for node in (p, b, d):
+            await node.stop()
+        assert b.side is not None
+        b.side.close()
+
+
 # ---- settings ----------------------------------------------------------------------------
 
 def test_kubernetes_flags(tmp_path: Path) -> None:
