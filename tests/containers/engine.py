@@ -57,8 +57,11 @@ def ensure_packages(log: Path, packages: Mapping[str, str] = APT_PACKAGES) -> No
         policy.chmod(0o755)
     try:
         with log.open("ab") as out:
-            for argv in (["apt-get", "update", "-qq"],
-                         ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
+            # dpkg's lock may be held by another apt meanwhile (.ci/run's background
+            # build): wait for it rather than fail.
+            wait = ["-o", "DPkg::Lock::Timeout=600"]
+            for argv in (["apt-get", *wait, "update", "-qq"],
+                         ["apt-get", *wait, "install", "-y", "-qq", "--no-install-recommends",
                           *missing]):
                 if subprocess.run(argv, stdout=out, stderr=out, env=env,
                                   timeout=900).returncode:

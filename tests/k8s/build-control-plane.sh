@@ -29,6 +29,12 @@ have_all() {
   [ "$(cat "$bin/RECIPE" 2>/dev/null)" = "$RECIPE" ]
 }
 
+# One build at a time: a second caller (a test while .ci/run's background build runs)
+# waits here, then finds the cache.
+mkdir -p "$(dirname "$cache")"
+exec 9>"$cache.lock"
+flock 9
+
 if have_all; then
   echo "build-control-plane: cached in $bin"
   exit 0
@@ -43,8 +49,10 @@ command -v make >/dev/null || need+=(make)
 command -v gcc >/dev/null && [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(gcc libc6-dev)
 command -v rsync >/dev/null || need+=(rsync)
 if [ ${#need[@]} -gt 0 ]; then
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  # Another apt (install.sh, a test's) may hold dpkg's lock meanwhile: wait for it.
+  apt-get -o DPkg::Lock::Timeout=600 update -qq
+  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${need[@]}" \
+    >/dev/null
 fi
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/pd-k8s-build.XXXXXX")
@@ -77,7 +85,7 @@ reflect2_deb() {
   (cd "$scratch" && apt-get -o APT::Sandbox::User=root download -qq \
     "golang-github-modern-go-reflect2-dev=1.0.2*" >/dev/null 2>&1)
 }
-reflect2_deb || { apt-get update -qq && reflect2_deb; } ||
+reflect2_deb || { apt-get -o DPkg::Lock::Timeout=600 update -qq && reflect2_deb; } ||
   { echo "build-control-plane: cannot download golang-github-modern-go-reflect2-dev 1.0.2" >&2
     exit 1; }
 dpkg-deb -x "$scratch"/golang-github-modern-go-reflect2-dev_1.0.2*.deb "$scratch/reflect2"
