@@ -8,7 +8,6 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ from tests.conftest import ROOT, running_plain_server
 from tests.containers.engine import DockerEngine, EngineUnavailable, build_images, cache_dir
 from tests.containers.engine import ensure_packages as ensure_docker
 from tests.containers.test_compose_cpu import answer, requests_to_check
-from tests.k8s.controlplane import ControlPlaneUnavailable, b64, control_plane
+from tests.k8s.controlplane import ControlPlaneUnavailable, b64, control_plane, until
 from tests.k8s.node import NODE_IP, PAUSE_IMAGE, POD_CIDR, NodeUnavailable, real_node
 from tests.k8s.nodehost import host_state
 
@@ -29,18 +28,6 @@ RELEASE = "pd"
 CHART = ROOT / "charts" / "pd-appliance"
 TAG = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 VLLM, SLIM = f"pd-appliance/vllm-cpu:{TAG}", f"pd-appliance/slim:{TAG}"
-
-
-def until(what: str, check: Callable[[], Any], timeout: float, poll: float = 1.0,
-           why: Callable[[], str] = lambda: "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s\n{why()}")
-        time.sleep(poll)
 
 
 @pytest.fixture(scope="package")

@@ -21,7 +21,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,6 +246,19 @@ def mark_ready(cp: ControlPlane, namespace: str, pod: str, ip: str, ready: bool 
                         "lastTransitionTime": now}
                        for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}})
 
+
+def until(what: str, check: Callable[[], Any], timeout: float = 60.0, poll: float = 0.3,
+          why: Callable[[], str] = lambda: "") -> Any:
+    """check()'s first truthy answer, polled; an AssertionError naming `what` (and why())
+    past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s\n{why()}".rstrip())
+        time.sleep(poll)
 
 def b64(value: str) -> str:
     return base64.b64encode(value.encode()).decode()

@@ -31,16 +31,15 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tests.conftest import free_port
 from tests.containers.engine import DockerEngine, cache_dir, ensure_packages, mounts_under
 from tests.k8s import nodeconfig, nodehost
-from tests.k8s.controlplane import SERVICE_CIDR, ControlPlane, binaries
+from tests.k8s.controlplane import SERVICE_CIDR, ControlPlane, binaries, until
 
 NODE_NAME = "pd-node"
 NODE_IP, PEER_IP = "10.201.0.1", "10.201.0.2"  # the veth pair, both ends in the namespace
@@ -169,7 +168,7 @@ class Node:
         self.start(f"fwd-out-{host}-{port}", [
             "socat", f"TCP-LISTEN:{local},bind=127.0.0.1,fork,reuseaddr",
             f"UNIX-CONNECT:{sock}"])
-        _until(f"the bridge to {host}:{port}", sock.exists, 10)
+        until(f"the bridge to {host}:{port}", sock.exists, 10)
         self.forwards[host, port] = local
         return local
 
@@ -183,17 +182,6 @@ class Node:
 
 def _traces_file(store: Path) -> Path:
     return store.parent / f"{store.name}.node.json"
-
-
-def _until(what: str, check: Callable[[], Any], timeout: float, poll: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(poll)
 
 
 def _run(*argv: str) -> None:
@@ -238,7 +226,7 @@ def _mount_namespace(node: Node) -> None:
     log.close()
     node.traces.holder = holder.pid
     node.traces.save(_traces_file(node.store))
-    _until("the node's mount namespace",
+    until("the node's mount namespace",
            lambda: (node.run / "holder.ready").exists() or holder.poll() is not None, 10)
     if holder.poll() is not None:
         raise RuntimeError("setting up the mount namespace failed: "
@@ -349,7 +337,7 @@ def real_node(cp: ControlPlane, work: Path, timeout: float = 120) -> Iterator[No
                 node.alive()
                 return node.socket.exists() and node.ctr("version").returncode == 0
 
-            _until("containerd", answering, 60)
+            until("containerd", answering, 60)
 
         containerd()
         if node.ctr("containers", "ls", "-q").stdout.split():  # a killed run's
@@ -399,7 +387,7 @@ def real_node(cp: ControlPlane, work: Path, timeout: float = 120) -> Iterator[No
             return any(c["type"] == "Ready" and c["status"] == "True"
                        for c in got["status"].get("conditions") or [])
 
-        _until("the node Ready", ready, timeout, 0.5)
+        until("the node Ready", ready, timeout, 0.5)
         yield node
     finally:
         node.left = stop(node)

@@ -32,6 +32,7 @@ from tests.k8s.controlplane import (
     control_plane,
     fake_node,
     mark_ready,
+    until,
 )
 
 pytestmark = pytest.mark.slow
@@ -98,17 +99,6 @@ def _pods(cp, component: str) -> list[dict]:
     return cp.request("GET", f"/api/v1/namespaces/{NS}/pods?labelSelector={sel}")["items"]
 
 
-def _until(what: str, check, timeout: float = 60.0, poll: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(poll)
-
-
 def _gpus(pod: dict) -> int:
     return sum(int(c["resources"].get("requests", {}).get("nvidia.com/gpu", 0))
                for c in pod["spec"]["containers"])
@@ -124,7 +114,7 @@ def installed(k8s):
         ok = len(pods) == 4 and all(p["spec"].get("nodeName") for p in pods)
         return pods if ok else None
 
-    pods = _until("4 pods scheduled", placed, 90)
+    pods = until("4 pods scheduled", placed, 90)
     return pods
 
 
@@ -191,12 +181,12 @@ def test_proxy_discovery_follows_the_pods(k8s, installed, tmp_path):
                     return False
             return check
 
-        _until("the proxy sees the ready pods", sees(want))
+        until("the proxy sees the ready pods", sees(want))
         # a P pod no longer Ready leaves the proxy's set
         p0 = _pods(cp, "prefill")[0]["metadata"]["name"]
         start = time.monotonic()
         mark_ready(cp, NS, p0, "127.0.10.11", ready=False)
-        _until("not Ready P removed", sees({**want, "prefill": {"http://127.0.10.12:8010"}}))
+        until("not Ready P removed", sees({**want, "prefill": {"http://127.0.10.12:8010"}}))
         removed_s = time.monotonic() - start
         # a D pod deleted: its ReplicaSet makes another, scheduled; Ready with a new IP, it
         # replaces the old one
@@ -210,10 +200,10 @@ def test_proxy_discovery_follows_the_pods(k8s, installed, tmp_path):
                      and p["spec"].get("nodeName") and not p["status"].get("podIP")]
             return fresh[0]["metadata"]["name"] if fresh else None
 
-        new = _until("a replacement D pod scheduled", replacement, 60)
+        new = until("a replacement D pod scheduled", replacement, 60)
         start = time.monotonic()
         mark_ready(cp, NS, new, "127.0.10.23")
-        _until("the deleted D replaced by the new one", sees(
+        until("the deleted D replaced by the new one", sees(
             {"prefill": {"http://127.0.10.12:8010"},
              "decode": {*kept, "http://127.0.10.23:8020"}}))
         added_s = time.monotonic() - start
@@ -255,17 +245,17 @@ def test_services_get_endpoints_once_pods_are_ready(k8s, installed):
                  and p["spec"].get("nodeName")]
         return fresh if len(pods) == len(fresh) == 2 else None
 
-    _until("2 new P pods scheduled", replaced)
-    before = _until("the prefill Service's Endpoints", lambda: _endpoints(cp, service))
+    until("2 new P pods scheduled", replaced)
+    before = until("the prefill Service's Endpoints", lambda: _endpoints(cp, service))
     assert before[0] == set()  # scheduled, but no pod is Ready: no address
     for i, pod in enumerate(_pods(cp, "prefill")):
         mark_ready(cp, NS, pod["metadata"]["name"], f"10.244.0.{11 + i}")
-    assert _until("prefill endpoints", lambda: (_endpoints(cp, service) or ((),))[0] == {
+    assert until("prefill endpoints", lambda: (_endpoints(cp, service) or ((),))[0] == {
         "10.244.0.11", "10.244.0.12"})
     # not Ready again: the address leaves the ready set
     first = _pods(cp, "prefill")[0]["metadata"]["name"]
     mark_ready(cp, NS, first, "10.244.0.11", ready=False)
-    assert _until("a not-Ready pod's address withdrawn",
+    assert until("a not-Ready pod's address withdrawn",
                   lambda: _endpoints(cp, service) == ({"10.244.0.12"}, {"10.244.0.11"}))
 
 
@@ -281,7 +271,7 @@ def test_what_exceeds_the_gpus_stays_pending(k8s, installed):
                          if c.get("reason") == "Unschedulable"]
         return pods if len(pods) == 4 and unschedulable else None
 
-    pods = _until("an unschedulable D", settled, 90)
+    pods = until("an unschedulable D", settled, 90)
     used: Counter = Counter()
     for pod in _pods(cp, "prefill") + pods:
         if pod["spec"].get("nodeName"):
@@ -347,7 +337,7 @@ def test_rotating_an_existing_secret_rolls_every_pod_that_reads_it(k8s, tmp_path
                           for rs in sets)
             return per == Counter({"prefill": 2, "decode": 2, "proxy": 2})
 
-        _until("a new ReplicaSet per keys-mounting Deployment", new_replica_sets)
+        until("a new ReplicaSet per keys-mounting Deployment", new_replica_sets)
     finally:
         _helm(k8s, "uninstall", release)
         cp.request("DELETE", f"{path}/{secret}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -185,44 +186,55 @@ async def test_an_api_server_outage_keeps_the_last_set(
     assert watched.prefill() == [_p("10.1.0.1")]
 
 
-async def test_the_proxy_serves_through_discovered_pods(api: FakeKubeApi,
-                                                        tmp_path: Path) -> None:
-    """The whole proxy: pods on 127.0.0.1 whose ports are the fakes'; a pod going NotReady
-    takes its node out."""
+@asynccontextmanager
+async def discovered_proxy(api: FakeKubeApi, tmp_path: Path,
+                           **extra: Any) -> AsyncIterator[tuple[Any, FakeVLLM, FakeBootstrap]]:
+    """The whole proxy with discovery, and a fake P (with its sidecar) and D whose ports
+    the pods' are: (the proxy, D, the sidecar)."""
     p, b, d = FakeVLLM("p"), FakeBootstrap({0: "engine-p"}), FakeVLLM("d")
     for node in (p, b, d):
         await node.start()
-    settings = ProxySettings.model_validate({**FAST, "discovery": "kubernetes",
+    settings = ProxySettings.model_validate({**FAST, **extra, "discovery": "kubernetes",
                                              "kubernetes": k8s_settings(
                                                  api, tmp_path, prefill_port=p.port,
                                                  decode_port=d.port, bootstrap_port=b.port)})
-    api.set_pod("r-prefill-0", P, "127.0.0.1")
-    api.set_pod("r-decode-0", D, "127.0.0.1")
-    proxy = await serve(settings)
+    proxy = None
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
-            async def health() -> bool:
-                async with http.get(f"{proxy.url}/health") as r:
-                    return r.status == 200
-            await until(health)
-            body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
-            async with http.post(f"{proxy.url}/v1/completions", json=body) as r:
-                assert r.status == 200
-            assert d.received[0].kv["remote_bootstrap_addr"] == b.url
-
-            api.set_pod("r-decode-0", D, "127.0.0.1", ready=False)
-
-            async def decode_gone() -> bool:
-                async with http.get(f"{proxy.url}/status") as r:
-                    return (await r.json())["decode"] == []
-            await until(decode_gone)
-            assert not await health()
+        proxy = await serve(settings)
+        yield proxy, d, b
     finally:
-        await proxy.close()
+        if proxy is not None:
+            await proxy.close()
         for node in (p, b, d):
             await node.stop()
         assert b.side is not None
         b.side.close()
+
+
+async def test_the_proxy_serves_through_discovered_pods(api: FakeKubeApi,
+                                                        tmp_path: Path) -> None:
+    """The whole proxy: pods on 127.0.0.1 whose ports are the fakes'; a pod going NotReady
+    takes its node out."""
+    api.set_pod("r-prefill-0", P, "127.0.0.1")
+    api.set_pod("r-decode-0", D, "127.0.0.1")
+    async with discovered_proxy(api, tmp_path) as (proxy, d, b), \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
+        async def health() -> bool:
+            async with http.get(f"{proxy.url}/health") as r:
+                return r.status == 200
+        await until(health)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        async with http.post(f"{proxy.url}/v1/completions", json=body) as r:
+            assert r.status == 200
+        assert d.received[0].kv["remote_bootstrap_addr"] == b.url
+
+        api.set_pod("r-decode-0", D, "127.0.0.1", ready=False)
+
+        async def decode_gone() -> bool:
+            async with http.get(f"{proxy.url}/status") as r:
+                return (await r.json())["decode"] == []
+        await until(decode_gone)
+        assert not await health()
 
 
 async def test_a_discovered_pod_is_checked_at_once_not_at_the_next_round(
@@ -231,33 +243,18 @@ async def test_a_discovered_pod_is_checked_at_once_not_at_the_next_round(
     were the new one in rotation only after the poller's next round, no node of its role
     would be for up to an interval (requests got 503s on a real node). Here the interval is
     an hour, and the pods appear after the first round."""
-    p, b, d = FakeVLLM("p"), FakeBootstrap({0: "engine-p"}), FakeVLLM("d")
-    for node in (p, b, d):
-        await node.start()
-    settings = ProxySettings.model_validate({**FAST, "health_interval_s": 3600,
-                                             "discovery": "kubernetes",
-                                             "kubernetes": k8s_settings(
-                                                 api, tmp_path, prefill_port=p.port,
-                                                 decode_port=d.port, bootstrap_port=b.port)})
-    proxy = await serve(settings)
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
-            async def ready() -> bool:
-                async with http.get(f"{proxy.url}/ready") as r:
-                    return r.status == 200
-            assert not await ready()  # no pod yet; the poller's first round is done
-            api.set_pod("r-prefill-0", P, "127.0.0.1")
-            api.set_pod("r-decode-0", D, "127.0.0.1")
-            await until(ready, timeout=5)
-            body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
-            async with http.post(f"{proxy.url}/v1/completions", json=body) as r:
-                assert r.status == 200
-    finally:
-        await proxy.close()
-        for node in (p, b, d):
-            await node.stop()
-        assert b.side is not None
-        b.side.close()
+    async with discovered_proxy(api, tmp_path, health_interval_s=3600) as (proxy, _, _b), \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http:
+        async def ready() -> bool:
+            async with http.get(f"{proxy.url}/ready") as r:
+                return r.status == 200
+        assert not await ready()  # no pod yet; the poller's first round is done
+        api.set_pod("r-prefill-0", P, "127.0.0.1")
+        api.set_pod("r-decode-0", D, "127.0.0.1")
+        await until(ready, timeout=5)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        async with http.post(f"{proxy.url}/v1/completions", json=body) as r:
+            assert r.status == 200
 
 
 # ---- settings ----------------------------------------------------------------------------
