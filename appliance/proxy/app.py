@@ -168,6 +168,19 @@ class Proxy:
             return "no prefill node is healthy with a known engine id"
         return None
 
+    async def wait_answerable(self) -> str | None:
+        """cannot_answer(), after waiting up to node_wait_s for a node to come into rotation:
+        a gap of moments (a rollout's handover, a node back from a failed check) is not
+        worth a 503. Shutting down or never ready: at once."""
+        deadline = time.monotonic() + self.settings.node_wait_s
+        while (why := self.cannot_answer()) is not None and self.backends.ever_ready \
+                and not self.shutting_down:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await self.backends.rotation_changed(left)
+        return why
+
     async def generate(self, request: web.Request, route: str) -> web.StreamResponse:
         given = request.headers.get("X-Request-Id")
         if given and len(given) <= 256 and given.isascii() and given.isprintable():
@@ -220,7 +233,7 @@ class Proxy:
             raise ProxyError(413, f"request body too large (limit {limit} bytes)") from None
         body = parse_request(raw, rec.route)
 
-        why = self.cannot_answer()
+        why = await self.wait_answerable()
         if why is not None:
             raise ProxyError(503, why)
         prefills = self.backends.ready_prefill()

@@ -9,6 +9,7 @@ once it holds nothing). A leaving node that reappears is a member again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -124,6 +125,7 @@ class Backends:
         # Latched once any P has had an engine id: before that, requests get 503 (the
         # deployment is still starting); after, a P outage means fallback, not an outage.
         self.ever_ready = False
+        self._changes = asyncio.Event()  # set, and replaced, at each rotation change
         # The rotation, rebuilt when a node's health changes rather than on every request.
         self._ready_prefill: list[PrefillBackend] = []
         self._ready_decode: list[Backend] = []
@@ -252,7 +254,17 @@ class Backends:
         self.metrics.backend_up.labels(b.role, b.url).set(1 if now else 0)
         self._ready_prefill = [n for n in self.prefill if n.in_rotation]
         self._ready_decode = [n for n in self.decode if n.in_rotation]
+        # Wake whoever waits for the rotation to change (Proxy.wait_answerable).
+        changed, self._changes = self._changes, asyncio.Event()
+        changed.set()
         return now
+
+    async def rotation_changed(self, timeout: float) -> None:
+        """Until the set of nodes in rotation may have changed, or `timeout` passed."""
+        try:
+            await asyncio.wait_for(self._changes.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     def find(self, node: str) -> list[Backend]:
         """The nodes `node` names: a URL, or "prefill" / "decode" for all of that role."""

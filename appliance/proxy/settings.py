@@ -166,6 +166,10 @@ class ProxySettings(BaseModel):
     max_queued: int = Field(0, ge=0)
     queue_timeout_s: float = Field(5.0, gt=0)
 
+    # No decode node (or no P, without fallback) in rotation: a request waits this long for
+    # one before its 503 (a rollout's handover, a node back from a failed check).
+    node_wait_s: float = Field(5.0, ge=0)
+
     # SIGTERM: requests in flight get this long to finish, then end with an error.
     drain_grace_s: float = Field(30.0, ge=0)
 
@@ -326,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, metavar="N",
                    help="requests waiting for a decode slot before 429s start")
     p.add_argument("--queue-timeout", dest="queue_timeout_s", type=float, metavar="SECONDS")
+    p.add_argument("--node-wait", dest="node_wait_s", type=float, metavar="SECONDS",
+                   help="how long a request waits for a node in rotation before its 503")
     p.add_argument("--drain-grace", dest="drain_grace_s", type=float, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight get to finish")
     p.add_argument("--fallback", dest="fallback_to_decode", action=argparse.BooleanOptionalAction,

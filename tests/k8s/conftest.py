@@ -146,7 +146,9 @@ def chart_values(tiny_model: Path) -> dict:
         "prefill": {**role, "extraEnv": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0"}]},
         "decode": {**role, "extraEnv": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "1"}]},
         "bootstrap": {"ttlS": 30, "resources": none},
-        "proxy": {"replicas": 1, "resources": none, "preStopSleepS": 2, "drainGraceS": 5},
+        # The proxy's preStop stays the chart's: its endpoints must leave kube-proxy's rules
+        # before it stops listening (2 s was too short here: refused connections).
+        "proxy": {"replicas": 1, "resources": none, "drainGraceS": 5},
         "timeouts": {"startupS": 600},
         "podNetworkCidrs": [POD_CIDR],
         "keys": {"existingSecret": "pd-keys"},

@@ -24,6 +24,7 @@ FAST = {
     "prefill_timeout_s": 3.0,
     "decode_read_timeout_s": 3.0,
     "drain_grace_s": 0.5,  # a cluster closed with a request in flight
+    "node_wait_s": 0.2,  # a 503 for want of a node comes soon (test_ready.py waits longer)
     # These tests cover the classic split (both at once, D's first token); the first-token
     # mode has its own (test_first_token.py).
     "first_token_from_prefill": False,

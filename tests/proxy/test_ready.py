@@ -3,6 +3,8 @@ probe), unlike /health, which also wants a P; open without a key like /health.""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from tests.proxy.conftest import Cluster, MakeCluster
@@ -76,3 +78,27 @@ async def test_ready_needs_no_key(make_cluster: MakeCluster) -> None:
     assert not c.proxy.proxy.needs_auth("/ready")
     async with c.http.get(f"{c.url}/status") as r:
         assert r.status == 401  # the ops endpoints are keyed, /ready is not
+
+
+async def test_a_request_waits_moments_for_a_node_rather_than_a_503(
+        make_cluster: MakeCluster) -> None:
+    """No D in rotation for a moment (a rollout's handover: the new D's first check not yet
+    done when the old one leaves): a request waits up to node_wait_s for one to come back,
+    and gets a 503 only past it."""
+    c = await make_cluster(node_wait_s=10.0)
+    c.decode[0].healthy = False
+    await c.wait_for(lambda: _ready_is(c, 503))
+    pending = asyncio.ensure_future(c.post())
+    await asyncio.sleep(0.5)
+    assert not pending.done()  # waiting, not refused
+    c.decode[0].healthy = True
+    status, _, _ = await asyncio.wait_for(pending, 10)
+    assert status == 200
+
+    short = await make_cluster(node_wait_s=0.3)
+    short.decode[0].healthy = False
+    await short.wait_for(lambda: _ready_is(short, 503))
+    begin = time.monotonic()
+    status, body, _ = await short.post()
+    assert status == 503 and "no decode node is healthy" in str(body)
+    assert time.monotonic() - begin >= 0.3
