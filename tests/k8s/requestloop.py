@@ -49,6 +49,7 @@ async def _answer(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
 class Outcome:
     sent: int = 0
     failures: list[str] = field(default_factory=list)
+    failed_at: list[float] = field(default_factory=list)  # time.monotonic() of each failure
     latencies: list[float] = field(default_factory=list)
 
     @property
@@ -116,6 +117,7 @@ class RequestLoop:
                         KeyError) as exc:
                     out.failures.append(f"{path} stream={bool(body.get('stream'))}: "
                                         f"{type(exc).__name__}: {exc}"[:300])
+                    out.failed_at.append(time.monotonic())
                 out.latencies.append(time.monotonic() - start)
 
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
