@@ -86,24 +86,50 @@ def set_client(sock: zmq.Socket, key: CurveKey) -> None:
     sock.curve_secretkey = key.secret
 
 
+# What a client socket's monitor reports besides refusals: the link to its server is up
+# (the handshake done, with or without CURVE) or gone (the server's process died, or the
+# network dropped the connection; ZMQ reconnects on its own).
+PEER_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+def _refusal(kind: int, value: int) -> str | None:
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"the producer refused our key (ZAP status {value})"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return "one side speaks CURVE and the other does not"
+        if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+            return "the producer's CURVE key is not ours"
+        return f"protocol error {value:#x}"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return f"the handshake failed (errno {value})"
+    return None
+
+
+async def peer_event(monitor: zmq.asyncio.Socket) -> tuple[str, str]:
+    """A client socket's next event of PEER_EVENTS: ("refused", why), ("up", "") or
+    ("down", "")."""
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())
+        kind, value = event["event"], event["value"]
+        why = _refusal(kind, value)
+        if why is not None:
+            return "refused", why
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return "up", ""
+        if kind == zmq.EVENT_DISCONNECTED:
+            return "down", ""
+
+
 async def handshake_failure(monitor: zmq.asyncio.Socket) -> str:
     """A client socket's monitor: waits for its first failed handshake, says why.
 
     Seen from a decode node (or the proxy): the producer's side channel refused us, so
     nothing we queued for it was delivered and nothing of ours can be written."""
     while True:
-        event = parse_monitor_message(await monitor.recv_multipart())
-        kind, value = event["event"], event["value"]
-        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return f"the producer refused our key (ZAP status {value})"
-        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                return "one side speaks CURVE and the other does not"
-            if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-                return "the producer's CURVE key is not ours"
-            return f"protocol error {value:#x}"
-        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            return f"the handshake failed (errno {value})"
+        kind, why = await peer_event(monitor)
+        if kind == "refused":
+            return why
 
 
 class _Throttled:

@@ -19,18 +19,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import zmq
 import zmq.asyncio
 
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.connector import curve
 from appliance.connector import messages as m
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
+from appliance.connector.peers import Peer, Peers
 from appliance.connector.plan import PlanError, Region
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.state import Transfer, TransferState
 from appliance.connector.stats import TransferStats
-from appliance.connector.tpplan import pulls_for
+from appliance.connector.tpplan import pulls_for, unpulled_ranks
 from appliance.connector.transfer import MooncakeTransport
 
 log = logging.getLogger("vllm.appliance.connector.receiver")
@@ -58,53 +58,6 @@ def _remaining_ms(deadline: float) -> int:
     return max(1, int((deadline - time.monotonic()) * 1000))
 
 
-class _Peer:
-    """One DEALER socket per producer worker, with a loop dispatching its replies."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, receiver: Receiver,
-                 key: curve.CurveKey | None = None) -> None:
-        self.addr = addr
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if key is not None:
-            curve.set_client(self.sock, key)
-        # With or without a key: a producer that refuses our handshake (keys differ after a
-        # rotation not done everywhere, one side without CURVE) fails our pulls at once
-        # instead of at recv_timeout_s.
-        self._monitor = self.sock.get_monitor_socket(curve.HANDSHAKE_FAILED)
-        self.sock.connect(addr)
-        self.layout_sent = False
-        self.task = asyncio.create_task(self._replies(receiver))
-        self.watch = asyncio.create_task(self._handshakes(receiver))
-
-    async def _handshakes(self, receiver: Receiver) -> None:
-        why = await curve.handshake_failure(self._monitor)
-        receiver.on_peer_refused(self, why)
-
-    async def _replies(self, receiver: Receiver) -> None:
-        while True:
-            payload = await self.sock.recv()
-            try:
-                resp = m.decode_response(payload)
-            except m.MessageError as exc:
-                log.warning("undecodable reply from %s: %s", self.addr, exc)
-                continue
-            receiver.on_response(self, resp)
-
-    async def send(self, payload: bytes) -> None:
-        await self.sock.send(payload)
-
-    def close(self) -> None:
-        self.task.cancel()
-        self.watch.cancel()
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._monitor.close(0)
-        self.sock.close(0)  # what is still queued for the producer is dropped with it
-
-
 class Receiver:
     def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int,
@@ -120,7 +73,9 @@ class Receiver:
         self.layout_id = secrets.randbits(63)
         self.incoming: dict[str, Incoming] = {}
         self._ctx = zmq.asyncio.Context()
-        self._peers: dict[str, _Peer] = {}
+        self._peers = Peers(self._ctx, self, stats, self._key, settings.peer_idle_s,
+                            settings.max_peers)
+        self._next_sweep = 0.0
         self._clients: dict[str, BootstrapClient] = {}
         # (bootstrap, engine) -> tp_rank -> side-channel address; one lookup at a time.
         self._engines: dict[tuple[str, str], dict[int, str]] = {}
@@ -174,6 +129,8 @@ class Receiver:
         except (BootstrapError, PlanError) as exc:
             self._finish(inc, ok=False, error=str(exc))
             return
+        await self._release_unpulled(spec.remote_bootstrap_addr, spec.remote_engine_id,
+                                     inc.transfer_id)
         if inc.state.terminal or inc.cancelled:
             # Aborted (or past its deadline) while we looked P up: our blocks are free
             # already, but P holds the KV for us until send_timeout_s unless told.
@@ -188,7 +145,7 @@ class Receiver:
 
     async def _send_request(self, inc: Incoming, addr: str, with_layout: bool) -> None:
         assert inc.spec is not None
-        peer = self._peer(addr)
+        peer = self._peers.get(addr)
         include = with_layout or not peer.layout_sent
         msg = m.TransferRequest(
             engine_id=self.settings.engine_id, host=self.host,
@@ -251,15 +208,9 @@ class Receiver:
             # out: then it is assumed equal to ours, the reference's only case.
             self._tp_sizes[key] = view.tp_size
 
-    def _peer(self, addr: str) -> _Peer:
-        peer = self._peers.get(addr)
-        if peer is None:
-            peer = self._peers[addr] = _Peer(self._ctx, addr, self, self._key)
-        return peer
-
     # --- replies (seeds step 34) ----------------------------------------------------------
 
-    def on_response(self, peer: _Peer, resp: m.TransferResponse) -> None:
+    def on_response(self, peer: Peer, resp: m.TransferResponse) -> None:
         if resp.status is m.Status.LAYOUT_MISS:
             peer.layout_sent = False  # the producer restarted or evicted our layout
             for d_req in resp.failed:
@@ -282,7 +233,7 @@ class Receiver:
         if resp.status is m.Status.ERROR and not resp.failed:
             log.warning("producer %s rejected a request: %s", peer.addr, resp.message)
 
-    def on_peer_refused(self, peer: _Peer, why: str) -> None:
+    def on_peer_refused(self, peer: Peer, why: str) -> None:
         """The producer at `peer` refused our handshake: none of our requests reached it,
         so none of its writes can land in our blocks. Its pulls fail now (vLLM's load-failure
         policy recomputes them), the socket and what it queued go, and the next request
@@ -291,13 +242,26 @@ class Receiver:
         log.error("side channel to %s refused: %s; check side_channel_key_file is the same "
                   "on every host (pdctl init --rotate-keys rotates them all); its pulls are "
                   "computed here", peer.addr, why)
-        if self._peers.get(peer.addr) is peer:
-            del self._peers[peer.addr]
-        peer.close()
+        self._peers.close(peer, f"refused: {why}")
         self._forget_peer(peer.addr)
         for inc in list(self.incoming.values()):
             if peer.addr in inc.waiting:
                 self._answered(inc, peer.addr, f"side channel to {peer.addr} refused: {why}")
+
+    def on_peer_lost(self, peer: Peer) -> None:
+        """The link to a producer worker dropped: it died (a restart binds a new port) or
+        the network cut it. Its address is looked up again before the next pull, so a
+        restarted P costs that pull no wait; with no pull waiting on it the socket goes now.
+        Pulls waiting on it keep it (ZMQ reconnects) and end as they would: answered, or at
+        their deadline."""
+        self._forget_peer(peer.addr)
+        if peer.addr in self._busy_peers():
+            log.warning("side channel to %s lost with pulls waiting on it", peer.addr)
+        else:
+            self._peers.close(peer, "the producer went away")
+
+    def _busy_peers(self) -> set[str]:
+        return {addr for inc in self.incoming.values() for addr in inc.waiting}
 
     def _answered(self, inc: Incoming, addr: str, failure: str | None) -> None:
         """One producer worker is done with this pull. It is over once all are: received
@@ -321,7 +285,7 @@ class Receiver:
 
     async def _send_cancel(self, peer: str, entry: m.CancelEntry) -> None:
         msg = m.CancelRequest(engine_id=self.settings.engine_id, reqs=[entry])
-        await self._peer(peer).send(m.encode_cancel(msg))
+        await self._peers.get(peer).send(m.encode_cancel(msg))
 
     def _give_up(self, inc: Incoming, why: str) -> None:
         """Stop waiting for this pull, keeping its blocks until no write can land in them.
@@ -355,11 +319,36 @@ class Receiver:
             return
         for addr in addrs:
             await self._send_cancel(addr, m.CancelEntry.release(spec.transfer_id))
+        await self._release_unpulled(spec.remote_bootstrap_addr, spec.remote_engine_id,
+                                     spec.transfer_id)
+
+    async def _release_unpulled(self, bootstrap: str, engine_id: str, transfer_id: str) -> None:
+        """Decode rank 0 tells the prefill ranks no decode rank pulls from (P's TP larger
+        than ours) that nobody will: each frees the prompt's blocks now, not at
+        send_timeout_s (vLLM frees them only once every prefill worker reported)."""
+        key = (bootstrap, engine_id)
+        workers = self._engines.get(key, {})
+        if self.tp_rank != 0 or not workers:
+            return
+        try:
+            ranks = unpulled_ranks(self._tp_sizes.get(key) or self.tp_size, self.tp_size,
+                                   self.total_heads)
+        except PlanError:
+            return
+        for r in ranks:
+            if r in workers:
+                await self._send_cancel(workers[r], m.CancelEntry.release(transfer_id))
+            else:
+                log.warning("transfer=%s: prefill tp rank %d is not registered; it holds the "
+                            "prompt until send_timeout_s", transfer_id, r)
 
     async def _deadline_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
+            if now >= self._next_sweep:
+                self._next_sweep = now + min(5.0, self.settings.peer_idle_s / 2)
+                self._peers.sweep(self._busy_peers(), now)
             for inc in list(self.incoming.values()):
                 if inc.state.terminal:
                     continue
@@ -407,7 +396,6 @@ class Receiver:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for peer in self._peers.values():
-            peer.close()
+        self._peers.close_all()
         for client in self._clients.values():
             await client.close()

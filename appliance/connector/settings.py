@@ -59,6 +59,10 @@ class ConnectorSettings(BaseModel):
     # Consumer: the receive deadline; when it passes the request is handed to vLLM's
     # load-failure policy (recompute locally by default) instead of waiting forever.
     recv_timeout_s: float = Field(60.0, gt=0)
+    # Consumer: a side-channel socket to a producer worker closes after this long unused,
+    # and past max_peers open ones the least recently used close (appliance.connector.peers).
+    peer_idle_s: float = Field(300.0, gt=0)
+    max_peers: int = Field(256, ge=1)
     # Consumer: how long an aborted request's blocks stay held while the producer confirms
     # it will not write into them any more.
     cancel_grace_s: float = Field(5.0, gt=0)

@@ -18,7 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 # size, entries, blocks (beyond D's cache), session (a Mooncake session not D's own).
 REJECT_REASONS = ("auth", "handshake", "invalid", "size", "entries", "blocks", "session")
 _COUNTERS = ("transfers", "bytes", "descriptors", "seconds", "failures", "expired",
-             "recv_ok", "recv_failed", "rejected", *(f"rejected_{r}" for r in REJECT_REASONS))
+             "recv_ok", "recv_failed", "rejected", *(f"rejected_{r}" for r in REJECT_REASONS),
+             "peers_opened", "peers_closed")
 
 
 @dataclass
@@ -85,6 +86,9 @@ class TransferStats:
     def record_recv(self, ok: bool) -> None:
         self._add(**({"recv_ok": 1} if ok else {"recv_failed": 1}))
 
+    def record_peer(self, opened: bool) -> None:
+        self._add(**({"peers_opened": 1} if opened else {"peers_closed": 1}))
+
     def snapshot(self) -> PDConnectorStats | None:
         """The counts since the last snapshot, or None when nothing happened."""
         with self._lock:
@@ -108,6 +112,11 @@ PROM_COUNTERS = {
                     "Requests whose KV did not arrive (recomputed or failed by policy)."),
     "rejected": ("vllm:pd_side_channel_rejected",
                  "Side-channel handshakes and messages this prefill server refused."),
+    "peers_opened": ("vllm:pd_side_channel_peers_opened",
+                     "Side-channel sockets this decode server opened to prefill workers."),
+    "peers_closed": ("vllm:pd_side_channel_peers_closed",
+                     "Side-channel sockets closed (the worker gone, idle, or past max_peers); "
+                     "opened less closed are open."),
 }
 
 

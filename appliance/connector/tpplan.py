@@ -92,6 +92,14 @@ def pullers_of(p_rank: int, p_tp: int, d_tp: int, total_heads: int | None) -> li
     return [r for r in range(d_tp) if pull_served_by(p_rank, p_tp, r, d_tp, total_heads)]
 
 
+def unpulled_ranks(p_tp: int, d_tp: int, total_heads: int | None) -> list[int]:
+    """Prefill ranks no decode rank pulls from (P's TP larger than D's: MLA's latent comes
+    from one rank per decode rank, a replicated head from the first rank holding it). They
+    computed the prompt too and hold its blocks until told nobody will ask."""
+    pulled = {p.p_rank for r in range(d_tp) for p in pulls_for(r, d_tp, p_tp, total_heads)}
+    return [p for p in range(p_tp) if p not in pulled]
+
+
 def narrow(src: list[Region], dst: list[Region], pull: Pull) -> tuple[list[Region],
                                                                       list[Region]]:
     """P's and D's regions cut down to the heads `pull` moves: each block's slice starts

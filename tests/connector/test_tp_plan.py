@@ -15,6 +15,7 @@ from appliance.connector.tpplan import (
     pullers_of,
     pulls_for,
     rank_heads,
+    unpulled_ranks,
 )
 
 
@@ -114,3 +115,11 @@ def test_head_major_reads_the_layout():
     (region,) = nhd.regions(10, 0)
     assert head_major(nhd.shape, nhd.strides, 2, 0, 4, region.block_bytes) == 0
     assert head_major(nhd.shape, nhd.strides, 2, 0, 1, region.block_bytes) == 1
+
+
+def test_unpulled_ranks_are_those_no_decode_rank_asks():
+    assert unpulled_ranks(2, 1, 0) == [1]  # MLA: decode rank 0 pulls from prefill rank 0
+    assert unpulled_ranks(4, 2, 0) == [2, 3]
+    assert unpulled_ranks(4, 1, 2) == [1, 3]  # heads 0, 0, 1, 1: the first of each
+    assert unpulled_ranks(2, 1, 4) == []  # each prefill rank holds half D's heads
+    assert unpulled_ranks(1, 2, 4) == [] and unpulled_ranks(2, 2, 4) == []

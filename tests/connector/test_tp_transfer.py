@@ -9,6 +9,7 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 
+import pytest
 import torch
 
 from appliance.connector.metadata import RecvSpec
@@ -45,8 +46,9 @@ def caches(heads: range, fill: bool) -> dict[str, torch.Tensor]:
 
 
 class RankSide(Side):
-    def __init__(self, rank: int, tp: int, fill: bool) -> None:
-        self.heads = rank_heads(rank, tp, TOTAL_HEADS)
+    def __init__(self, rank: int, tp: int, fill: bool, total: int = TOTAL_HEADS) -> None:
+        # MLA (total 0): one latent per token, the same on every rank.
+        self.heads = rank_heads(rank, tp, total) if total else range(1)
         super().__init__(caches(self.heads, fill))
         self.regions, _ = kv_regions(self.caches, BLOCKS, None, len(self.heads))
 
@@ -62,23 +64,24 @@ def settings(url: str, engine: str, role: str) -> ConnectorSettings:
 
 
 @asynccontextmanager
-async def tp_pair(url: str, p_tp: int, d_tp: int):
-    """Sides, senders and receivers of a P of `p_tp` ranks and a D of `d_tp`, closed after."""
-    parts = await start_pair(url, p_tp, d_tp)
+async def tp_pair(url: str, p_tp: int, d_tp: int, total: int = TOTAL_HEADS):
+    """Sides, senders and receivers of a P of `p_tp` ranks and a D of `d_tp` (a model of
+    `total` KV heads, 0: MLA), closed after."""
+    parts = await start_pair(url, p_tp, d_tp, total)
     try:
         yield parts
     finally:
         await close(*parts)
 
 
-async def start_pair(url: str, p_tp: int, d_tp: int):
-    ps = [RankSide(r, p_tp, True) for r in range(p_tp)]
-    ds = [RankSide(r, d_tp, False) for r in range(d_tp)]
+async def start_pair(url: str, p_tp: int, d_tp: int, total: int = TOTAL_HEADS):
+    ps = [RankSide(r, p_tp, True, total) for r in range(p_tp)]
+    ds = [RankSide(r, d_tp, False, total) for r in range(d_tp)]
     senders = [Sender(settings(url, "p0", "producer"), ps[r].transport, ps[r].regions,
-                      "127.0.0.1", r, p_tp, 0, ps[r].stats, total_heads=TOTAL_HEADS)
+                      "127.0.0.1", r, p_tp, 0, ps[r].stats, total_heads=total)
                for r in range(p_tp)]
     receivers = [Receiver(settings(url, "d0", "consumer"), ds[r].transport, ds[r].regions,
-                          "127.0.0.1", r, d_tp, ds[r].stats, total_heads=TOTAL_HEADS)
+                          "127.0.0.1", r, d_tp, ds[r].stats, total_heads=total)
                  for r in range(d_tp)]
     for s in senders:
         await s.start()
@@ -139,6 +142,26 @@ async def test_p_tp2_to_d_tp1_pulls_each_half_from_its_rank(bootstrap_url):
             assert await finished_sending(s) == {"p1"}
         half = 3 * BLOCK * 2 * HEAD_DIM * 2 * (TOTAL_HEADS // 2) * LAYERS
         assert [p.stats.totals["bytes"] for p in ps] == [half, half]
+
+
+@pytest.mark.parametrize(("p_tp", "total", "pulled"), [(2, 0, [0]), (4, 2, [0, 2])],
+                         ids=["mla-p2-d1", "replicated-heads-p4-d1"])
+async def test_prefill_ranks_nobody_pulls_from_free_the_prompt_at_once(
+        bootstrap_url, p_tp, total, pulled):
+    """P's TP above D's: MLA's latent comes from one P rank, a replicated head from the
+    first rank holding it. The other ranks computed the prompt too; vLLM frees its blocks
+    only once every P worker reported, so they must report right after D's pull, not at
+    send_timeout_s (3 s here)."""
+    async with tp_pair(bootstrap_url, p_tp, 1, total) as (ps, ds, senders, receivers):
+        for s in senders:
+            s.on_ready("p1", "x1", [[3, 4]], None)
+            s.on_finished({"p1"})
+        receivers[0].on_recv("d1", RecvSpec("x1", [[10, 11]], "p0", bootstrap_url))
+        assert await receiver_results(receivers[0]) == ({"d1"}, set())
+        assert_heads_moved([ps[r] for r in pulled], ds, [3, 4], [10, 11])
+        for s in senders:
+            assert await finished_sending(s, within=1) == {"p1"}, s.tp_rank
+        assert [r for r, p in enumerate(ps) if p.stats.totals["bytes"]] == pulled
 
 
 async def test_p_tp1_to_d_tp2_serves_both_decode_ranks_then_frees(bootstrap_url):

@@ -69,9 +69,10 @@ async def timed_ask(url: str, body: dict) -> tuple[int, str, float]:
     return status, text, time.monotonic() - started
 
 
-async def served_from_p(node, body: dict, want: str, bound_s: float = 15) -> None:
+async def served_from_p(node, body: dict, want: str, bound_s: float = 15) -> float:
     """The proxy split it (no fallback of any reason) and D received P's KV for it (no
-    recompute, no stale peer), with a plain server's output, within `bound_s`."""
+    recompute, no stale peer), with a plain server's output, within `bound_s`; returns
+    the seconds it took."""
     fallbacks = metric(node.spec.proxy_url, "pd_proxy_prefill_fallbacks_total")
     received = metric(node.spec.decode_url, "vllm:pd_kv_received_total")
     status, text, took = await timed_ask(node.spec.proxy_url, body)
@@ -82,3 +83,4 @@ async def served_from_p(node, body: dict, want: str, bound_s: float = 15) -> Non
     while metric(node.spec.decode_url, "vllm:pd_kv_received_total") <= received:
         assert time.monotonic() < deadline, "D did not receive P's KV"
         await asyncio.sleep(0.2)
+    return took

@@ -1,6 +1,7 @@
 """Parts of a running node restarted, killed or stalled, as SREs meet it (real vLLM P and D
 on CPU, the tiny model): the bootstrap sidecar restarted (requests keep flowing, P
-re-registers within its TTL), the proxy killed mid-request (P's orphaned KV is freed), D
+re-registers within its TTL), P killed while idle and restarted (D's next pulls go to the
+new P at once), the proxy killed mid-request (P's orphaned KV is freed), D
 killed mid-stream (the stream ends with an SSE error, P holds nothing), D stalled past the
 proxy's read timeout (an error, P's KV released). Each ends with every request answered,
 nothing held, and a plain server's output."""
@@ -175,6 +176,23 @@ async def test_proxy_killed_mid_request_orphans_nothing(node, plain_server):
     await in_rotation(node, "prefill")
     for i in range(2):
         await served_from_p(node, _body(i), expected[i])
+
+
+async def test_prefill_killed_while_idle_and_restarted_costs_no_wait(node, plain_server):
+    """P dies while D has no pull in flight; its restart binds new side-channel ports. D
+    must not send the next pulls to the dead addresses (each would wait recv_timeout_s, then
+    be recomputed on D): every request after the restart is served with P's KV, none much
+    slower than before."""
+    expected = await _expected(plain_server, range(30, 38))
+    await in_rotation(node, "prefill")
+    before = [await served_from_p(node, _body(i), expected[i]) for i in range(30, 34)]
+    _kill(node.prefill)
+    await _restart(node.prefill)
+    await in_rotation(node, "prefill", within=120)
+    after = [await served_from_p(node, _body(i), expected[i]) for i in range(30, 38)]
+    print(f"before the restart {max(before):.2f} s at most, after {max(after):.2f} s")
+    assert max(after) < max(before) + 2, after
+    await wait_no_blocks_held(node, within=60)
 
 
 async def test_decode_killed_mid_stream(node, plain_server):

@@ -1,0 +1,115 @@
+"""D's side-channel sockets to producer workers (appliance.connector.peers): a P worker that
+dies and comes back (at a new port, as every restart binds one) costs D's next pull no wait,
+and the dead worker's socket is closed; idle sockets close; the open set stays bounded.
+Real sidecar, ZMQ and Mooncake on loopback (test_side_channel.py's Pair)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from appliance.connector.peers import PeerView, to_close
+from appliance.connector.sender import Sender
+from tests.connector.test_side_channel import Pair, wait_registered
+
+
+def test_to_close_picks_lost_idle_then_least_recently_used_never_busy():
+    views = [PeerView("a", 100.0), PeerView("b", 50.0), PeerView("c", 99.0, lost=True),
+             PeerView("d", 10.0)]
+    assert sorted(to_close(views, set(), 101.0, 60, 10)) == ["c", "d"]
+    assert to_close(views, {"d"}, 101.0, 60, 10) == ["c"]  # a pull waits on d
+    # Past the cap: least recently used first, until `cap` are left.
+    live = [v for v in views if not v.lost]
+    assert to_close(live, set(), 101.0, 1000, 2) == ["d"]
+    assert to_close(live, set(), 101.0, 1000, 1) == ["d", "b"]
+    assert to_close(live, {"d"}, 101.0, 1000, 1) == ["b", "a"]  # busy d is kept anyway
+    assert to_close([], set(), 0.0, 1, 1) == []
+
+
+def _kill(sender: Sender) -> None:
+    """Stop a producer worker as SIGKILL would: its socket closes, nothing deregisters."""
+    for task in sender._tasks:
+        task.cancel()
+    assert sender._sock is not None
+    sender._sock.close(0)
+    sender._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _registered_at(url: str, addr: str) -> None:
+    from appliance.bootstrap.client import BootstrapClient
+    client = BootstrapClient(url)
+    try:
+        for _ in range(100):
+            answer = await client.query()
+            if answer.get("0") and answer["0"].worker_addr.get("0", {}).get("0") == addr:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{addr} never registered")
+    finally:
+        await client.close()
+
+
+async def test_a_restarted_producer_costs_the_next_pull_no_wait(bootstrap_url):
+    # recv_timeout_s 3: a pull sent to the dead worker's address would fail after 3 s.
+    pair = Pair(bootstrap_url)
+    await pair.start()
+    old = pair.sender
+    try:
+        pair.sender.on_ready("p1", "x1", [[1, 2]], None)
+        pair.receiver.on_recv("d1", pair.spec("x1", [10, 11]))
+        assert await pair.results() == ({"d1"}, set())  # D knows the worker's address now
+        _kill(old)
+        pair.sender = Sender(pair.p_settings, pair.p.transport, pair.p.regions, "127.0.0.1",
+                             0, 1, 0, pair.p.stats)
+        addr = await pair.sender.start()
+        assert addr != old.side_channel_addr
+        await _registered_at(bootstrap_url, addr)
+        before = pair.d.stats.totals["peers_closed"]
+        pair.sender.on_ready("p2", "x2", [[3, 4]], None)
+        start = time.monotonic()
+        pair.receiver.on_recv("d2", pair.spec("x2", [20, 21]))
+        assert await pair.results() == ({"d2"}, set())
+        assert time.monotonic() - start < 1.5
+        pair.assert_copied([3, 4], [20, 21])
+        # The dead worker's socket went when its link dropped; only the live one is open.
+        assert len(pair.receiver._peers) == 1
+        totals = pair.d.stats.totals
+        assert before == 1 and totals["peers_opened"] == 2 and totals["peers_closed"] == 1
+    finally:
+        await pair.close()
+        await old._bootstrap.close()
+
+
+async def test_an_idle_socket_closes_and_the_next_pull_opens_one(bootstrap_url):
+    pair = Pair(bootstrap_url, peer_idle_s=0.4)
+    await pair.start()
+    try:
+        pair.sender.on_ready("p1", "x1", [[1]], None)
+        pair.receiver.on_recv("d1", pair.spec("x1", [10]))
+        assert await pair.results() == ({"d1"}, set())
+        deadline = time.monotonic() + 5
+        while len(pair.receiver._peers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(pair.receiver._peers) == 0
+        pair.sender.on_ready("p2", "x2", [[2]], None)
+        pair.receiver.on_recv("d2", pair.spec("x2", [20]))
+        assert await pair.results() == ({"d2"}, set())
+        pair.assert_copied([2], [20])
+        assert pair.d.stats.totals["peers_opened"] == 2
+    finally:
+        await pair.close()
+
+
+async def test_a_socket_a_pull_waits_on_stays_past_its_idle_time(bootstrap_url):
+    pair = Pair(bootstrap_url, peer_idle_s=0.2, recv_timeout_s=5)
+    await pair.start()
+    try:
+        await wait_registered(bootstrap_url)
+        pair.receiver.on_recv("d1", pair.spec("x1", [10]))  # P has not prefilled it yet
+        await asyncio.sleep(1.0)
+        assert len(pair.receiver._peers) == 1
+        pair.sender.on_ready("p1", "x1", [[1]], None)  # D's request is waiting on P's side
+        assert await pair.results() == ({"d1"}, set())
+        pair.assert_copied([1], [10])
+    finally:
+        await pair.close()
