@@ -80,8 +80,14 @@ class ModelSpec:
     @property
     def serve_args(self) -> tuple[str, ...]:
         """vLLM flags to serve it as stored: vLLM's `--dtype auto` turns a float32
-        checkpoint into bf16."""
-        return ("--dtype", self.dtype) if self.dtype == "float32" else ()
+        checkpoint into bf16. On a CPU with AMX, vLLM picks its AMX MLA backend, which
+        takes bf16 weights only: a float32 MLA model asks for the reference CPU_MLA one
+        (what vLLM picks anyway without AMX)."""
+        if self.dtype != "float32":
+            return ()
+        if self.arch == "deepseek_v2":
+            return ("--dtype", "float32", "--attention-backend", "CPU_MLA")
+        return ("--dtype", "float32")
 
     def kv_bytes_per_token(self) -> int:
         elem_size = self.elem_size

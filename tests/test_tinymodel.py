@@ -77,7 +77,9 @@ def test_mla_model_is_deterministic_deepseek_v2_with_an_untied_head(tmp_path):
         assert "lm_head.weight" in f.keys()
     assert config["rope_parameters"]["rope_type"] == "yarn"  # as DeepSeek-V2/V3
     assert config["dtype"] == "float32"  # prefill and decode agree (see ModelSpec.dtype)
-    assert tinymodel.SIZES["mla"].serve_args == ("--dtype", "float32")  # vLLM's auto: bf16
+    # vLLM's auto would serve it in bf16; AMX's MLA backend takes bf16 weights only.
+    assert tinymodel.SIZES["mla"].serve_args == ("--dtype", "float32", "--attention-backend",
+                                                 "CPU_MLA")
     assert tinymodel.spec_of(a) == tinymodel.SIZES["mla"]
     spec = tinymodel.SIZES["mla"]
     assert spec.kv_bytes_per_token() == 2 * 576 * 4
