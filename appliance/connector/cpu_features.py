@@ -8,6 +8,11 @@ a plain server's first prefill does. A decode node's first forward is one token 
 that came from P, so it reaches the AMX attention kernel before anything asked: SIGILL, and
 the engine dies on its first PD request. Asking once per worker process, before that forward,
 is all it takes (the permission holds for every thread of the process).
+
+A plain vLLM server (no connector) of a small bf16 model dies the same way: its first prompt
+is too small for oneDNN to ask. The package registers `vllm_plugin` as a vLLM general plugin,
+which vLLM runs in every worker process it starts: any vLLM in the appliance's environment
+(the reference server a user compares the node with included) asks before its first forward.
 """
 
 from __future__ import annotations
@@ -37,3 +42,9 @@ def enable_amx(cpu: Any = None) -> bool:
                 "vLLM's AMX attention kernel will fault; use a newer kernel or "
                 "--dtype float32 (the AMX kernel is for bf16 only)")
     return False
+
+
+def vllm_plugin() -> None:
+    """vLLM's `vllm.general_plugins` entry point (pyproject.toml): runs in every vLLM process
+    of this environment, before its model runs."""
+    enable_amx()
