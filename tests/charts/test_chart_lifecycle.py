@@ -77,6 +77,22 @@ def test_the_proxy_is_ready_while_it_can_answer(case: tuple[str, list[Doc]]) -> 
     assert flag(c["args"], "--drain-grace") == str(p["drainGraceS"])
 
 
+def test_a_slow_start_is_not_killed_by_liveness(case: tuple[str, list[Doc]]) -> None:
+    """The proxy and the sidecar: a startupProbe on the listener, startupS long, holds
+    liveness off (on a busy node a proxy took over 30 s to listen while a vLLM loaded, and
+    liveness killed it in a loop: every rollout then cut requests)."""
+    name, docs = case
+    v = effective(name)
+    for (component, cname), startup in (
+            (("proxy", "proxy"), v["proxy"]["startupS"]),
+            (("prefill", "bootstrap"), v["bootstrap"]["startupS"])):
+        c = container(workload(docs, component), cname)
+        probe = c["startupProbe"]
+        assert "tcpSocket" in probe and probe["tcpSocket"]["port"] == c["livenessProbe"].get(
+            "tcpSocket", c["livenessProbe"].get("httpGet", {})).get("port")
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= startup
+
+
 def test_the_sidecar_outlives_vllm(case: tuple[str, list[Doc]]) -> None:
     name, docs = case
     v = effective(name)

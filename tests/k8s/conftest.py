@@ -148,7 +148,10 @@ def chart_values(tiny_model: Path) -> dict:
         "bootstrap": {"ttlS": 30, "resources": none},
         # The proxy's preStop stays the chart's: its endpoints must leave kube-proxy's rules
         # before it stops listening (2 s was too short here: refused connections).
-        "proxy": {"replicas": 1, "resources": none, "drainGraceS": 5},
+        # The proxy requests a share of CPU as P and D do (the chart's default is 500m): with
+        # none it got ~1% of a core beside two vLLMs and took minutes to start.
+        "proxy": {"replicas": 1, "drainGraceS": 5,
+                  "resources": {**none, "requests": {"cpu": "100m", "memory": "64Mi"}}},
         "timeouts": {"startupS": 600},
         "podNetworkCidrs": [POD_CIDR],
         "keys": {"existingSecret": "pd-keys"},

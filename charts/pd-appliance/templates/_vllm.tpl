@@ -131,6 +131,17 @@ lifecycle:
 {{- end }}
 {{- end -}}
 
+{{/* A startupProbe on a listener (a port name and the seconds it may take to listen):
+     until it passes, liveness is not checked, so a process starved of CPU while it starts
+     is not killed and restarted in a loop. */}}
+{{- define "pd-appliance.listenerStartup" -}}
+startupProbe:
+  tcpSocket: {port: {{ index . 0 }}}
+  periodSeconds: 2
+  timeoutSeconds: 2
+  failureThreshold: {{ max 1 (div (add (int (index . 1)) 1) 2) }}
+{{- end -}}
+
 {{- define "pd-appliance.httpProbes" -}}
 {{- $port := index . 0 -}}
 {{- $startup := index . 1 -}}
@@ -220,6 +231,9 @@ livenessProbe:
                 except OSError:
                     break
                 time.sleep(1)
+  # A start slowed by a busy node (a vLLM loading beside it) is not a dead process: the
+  # liveness probe counts only once the sidecar has listened.
+  {{- include "pd-appliance.listenerStartup" (list "bootstrap" $v.bootstrap.startupS) | nindent 2 }}
   readinessProbe:
     httpGet: {path: /health, port: bootstrap}
     periodSeconds: 5
