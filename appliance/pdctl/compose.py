@@ -135,10 +135,10 @@ def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
                 if name not in timings and name in states and states[name].ok:
                     timings[name] = elapsed
             live.update(_table(states, elapsed, names))
+            # compose up fails too when a dependency dies ("dependency failed to start"):
+            # a failing container's own cause comes first, compose's error only without one.
             error = failed()
-            if error is not None:
-                raise error
-            if all(name in states and states[name].ok for name in names):
+            if error is None and all(name in states and states[name].ok for name in names):
                 console.print(_table(states, elapsed, names))
                 return states
             for name in names:
@@ -146,6 +146,8 @@ def wait_healthy(api: DockerApi, project: str, timeout: float, console: Console,
                 if c is not None and failing(c, baseline.setdefault(name, c.restarts)):
                     console.print(_table(states, elapsed, names))
                     raise failure(api, project, c)
+            if error is not None:
+                raise error
             if elapsed > timeout:
                 console.print(_table(states, elapsed, names))
                 late = [n for n in names if n not in states or not states[n].ok]

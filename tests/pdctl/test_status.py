@@ -223,3 +223,20 @@ def test_up_reports_a_compose_failure(pdctl, write_config, node, runner):
     assert res.exit_code == 1
     assert res.stderr.startswith("pdctl: error: docker compose up failed: Error response from "
                                  "daemon: could not select device driver")
+
+
+def test_up_names_the_dead_server_not_composes_dependency_error(pdctl, write_config, node,
+                                                                docker, runner):
+    """compose up fails too when a dependency exits; the container's own cause wins."""
+    runner.answer(["docker", "compose", "--project-directory"], "", 1,
+                  "dependency failed to start: container pd-prefill-1 exited (1)\n")
+    prefill = docker[0].containers[1]
+    prefill.state, prefill.health, prefill.restarts, prefill.exit_code = "exited", None, 0, 1
+    prefill.log = ENGINE_DIED
+    res = pdctl("up", "--config", str(write_config(node.config_toml())),
+                env={"DOCKER_HOST": docker[1]})
+    assert res.exit_code == 1
+    assert res.stderr.splitlines()[:2] == [
+        "pdctl: error: prefill failed: exited (exit code 1); see `pdctl logs prefill`",
+        "  prefill: torch._inductor.exc.InductorError: InvalidCxxCompiler: No working C++ "
+        "compiler found in torch._inductor.config.cpp.cxx: (None, 'g++')"]
