@@ -251,14 +251,14 @@ class Receiver:
     def on_peer_lost(self, peer: Peer) -> None:
         """The link to a producer worker dropped: it died (a restart binds a new port) or
         the network cut it. Its address is looked up again before the next pull, so a
-        restarted P costs that pull no wait; with no pull waiting on it the socket goes now.
-        Pulls waiting on it keep it (ZMQ reconnects) and end as they would: answered, or at
-        their deadline."""
+        restarted P costs that pull no wait; with no pull waiting on it the socket goes now
+        (the sweep's rule). Pulls waiting on it keep it (ZMQ reconnects) and end as they
+        would: answered, or at their deadline."""
         self._forget_peer(peer.addr)
-        if peer.addr in self._busy_peers():
+        busy = self._busy_peers()
+        if peer.addr in busy:
             log.warning("side channel to %s lost with pulls waiting on it", peer.addr)
-        else:
-            self._peers.close(peer, "the producer went away")
+        self._peers.sweep(busy, time.monotonic())
 
     def _busy_peers(self) -> set[str]:
         return {addr for inc in self.incoming.values() for addr in inc.waiting}

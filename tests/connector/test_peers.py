@@ -35,20 +35,6 @@ def _kill(sender: Sender) -> None:
     sender._pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def _registered_at(url: str, addr: str) -> None:
-    from appliance.bootstrap.client import BootstrapClient
-    client = BootstrapClient(url)
-    try:
-        for _ in range(100):
-            answer = await client.query()
-            if answer.get("0") and answer["0"].worker_addr.get("0", {}).get("0") == addr:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"{addr} never registered")
-    finally:
-        await client.close()
-
-
 async def test_a_restarted_producer_costs_the_next_pull_no_wait(bootstrap_url):
     # recv_timeout_s 3: a pull sent to the dead worker's address would fail after 3 s.
     pair = Pair(bootstrap_url)
@@ -63,7 +49,7 @@ async def test_a_restarted_producer_costs_the_next_pull_no_wait(bootstrap_url):
                              0, 1, 0, pair.p.stats)
         addr = await pair.sender.start()
         assert addr != old.side_channel_addr
-        await _registered_at(bootstrap_url, addr)
+        await wait_registered(bootstrap_url, 0, addr)
         before = pair.d.stats.totals["peers_closed"]
         pair.sender.on_ready("p2", "x2", [[3, 4]], None)
         start = time.monotonic()

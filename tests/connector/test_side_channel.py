@@ -66,17 +66,18 @@ class Side:
         return self.caches[f"model.layers.{layer}.self_attn.attn"][block_id]
 
 
-async def wait_registered(bootstrap_url: str, rank: int = 0) -> None:
-    """Until the sidecar lists a producer worker for this TP rank."""
+async def wait_registered(bootstrap_url: str, rank: int = 0, addr: str | None = None) -> None:
+    """Until the sidecar lists a producer worker for this TP rank (at `addr`, if given)."""
     from appliance.bootstrap.client import BootstrapClient
     client = BootstrapClient(bootstrap_url)
     try:
         for _ in range(100):
             answer = await client.query()
-            if "0" in answer and str(rank) in answer["0"].worker_addr:
+            pps = answer["0"].worker_addr.get(str(rank)) if "0" in answer else None
+            if pps and (addr is None or pps.get("0") == addr):
                 return
             await asyncio.sleep(0.05)
-        raise AssertionError(f"tp rank {rank} never registered")
+        raise AssertionError(f"tp rank {rank} never registered{f' at {addr}' if addr else ''}")
     finally:
         await client.close()
 

@@ -79,8 +79,9 @@ def _settled(cp, component: str, replicas: int) -> Callable[[], bool]:
 
 
 class _Timeline:
-    """What the release's pods did, polled, with each pod's log while it terminates (kubelet
-    drops a deleted pod's logs): for a failed request, the moment it failed among them."""
+    """What the release's pods did, polled (phase, ready, deleting, container restarts),
+    with each pod's log while it terminates (kubelet drops a deleted pod's logs): for a
+    failed request, the moment it failed among them."""
 
     def __init__(self, release: dict) -> None:
         self.node, self.cp = release["cluster"]["node"], release["cluster"]["cp"]
@@ -93,8 +94,10 @@ class _Timeline:
         now, seen = time.monotonic() - self.begin, {}
         for p in list_pods(self.cp, f"app.kubernetes.io/instance={RELEASE}"):
             name, deleting = p["metadata"]["name"], bool(p["metadata"].get("deletionTimestamp"))
+            restarts = sum(c.get("restartCount", 0)
+                           for c in p["status"].get("containerStatuses") or ())
             seen[name] = (f"{p['status'].get('phase')} ready={is_ready(p)} "
-                          f"deleting={deleting}")
+                          f"deleting={deleting} restarts={restarts}")
             if deleting:
                 for c in p["spec"]["containers"]:
                     got = self.node.pod_log(NS, name, c["name"])
