@@ -30,6 +30,7 @@ from appliance.proxy.exchange import Exchange
 from appliance.proxy.health import HealthPoller
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.ownership import Holder, Pulls
+from appliance.proxy.placement import Placement
 from appliance.proxy.record import Record
 from appliance.proxy.relay import Relay
 from appliance.proxy.release import KVReleaser
@@ -85,7 +86,7 @@ class Proxy:
                                    deadline_s=settings.upstream_deadline_s)
         self.backends.on_down = self._node_down
         # A node that left is forgotten once idle: so are its pooled connections.
-        self.backends.on_drop = lambda b: self.upstreams.forget(b.url)
+        self.backends.on_drop = self._dropped
         self.admission = Admission(settings.max_in_flight_per_decode, settings.max_queued,
                                    settings.queue_timeout_s,
                                    lambda why: self.metrics.overloaded.labels(why).inc())
@@ -93,6 +94,8 @@ class Proxy:
                                    curve_key=curve.load(settings.side_channel_key_file))
         self.relay = Relay(settings, self.metrics, self.backends)
         self.pulls = Pulls()  # D calls waiting on a P's KV, failed over if that P goes down
+        self.placement = Placement(settings.split, settings.itl_slo_ms)
+        self.metrics.split_counts = self.placement.counts
         self.exchange = Exchange(settings, self.metrics, self.backends, self.upstreams,
                                  self.relay, self.pulls, self.base_headers)
 
@@ -122,6 +125,10 @@ class Proxy:
             await self.session.close()
         await self.upstreams.close()
         await self.releaser.close()
+
+    def _dropped(self, b: Backend) -> None:
+        self.upstreams.forget(b.url)
+        self.placement.forget(b.url)
 
     def _node_down(self, b: Backend, why: str) -> None:
         """A node failed down_after health checks in a row: fail what it holds at once.
@@ -217,9 +224,24 @@ class Proxy:
                     # than after P's send_timeout_s.
                     self.releaser.release(rec.kv)
                     rec.kv.move(Holder.NONE, "released by the proxy")
+            self._learn(rec)
             self.metrics.count_request(route, rec.status)
             if self.settings.log_requests:
                 rec.log()
+
+    def _learn(self, rec: Record) -> None:
+        """What the finished request measured goes to the placement's estimates."""
+        if rec.ticket is not None:
+            rec.ticket.close(time.monotonic(), learn=False)
+        if rec.placed is None:
+            return
+        handoff = None
+        if (not rec.local and rec.fallback is None and rec.prefilled_at is not None
+                and rec.decode_first_at is not None and rec.status == 200):
+            handoff = (rec.prompt_tokens or rec.placed.tokens,
+                       rec.decode_first_at - rec.prefilled_at)
+        self.placement.learned(rec.route, rec.prompt_chars, rec.prompt_tokens, handoff,
+                               rec.step_s)
 
     async def _generate(self, request: web.Request, rec: Record) -> web.StreamResponse:
         if self.shutting_down:
@@ -242,6 +264,10 @@ class Proxy:
             if not prefills:
                 return await self.exchange.plain(request, rec, body, d, "no_prefill")
             p = self.router.pick_prefill(prefills)
+            rec.placed, rec.ticket, rec.prompt_chars = self.placement.choose(
+                body, rec.route, p, d)
+            if rec.placed.local:
+                return await self.exchange.local(request, rec, body, d)
             if self.settings.first_token_from_prefill and body.get("stream") is True:
                 if first_token.ineligible(body, rec.route) is None:
                     return await self.exchange.first_token(request, rec, body, p, d)

@@ -30,6 +30,8 @@ class Backend:
     in_flight: int = 0
     last_error: str | None = None
     last_check: float | None = None  # monotonic
+    # Prompt tokens sent here to prefill and not done yet (appliance.proxy.placement).
+    prefill_tokens: int = 0
     # Round-robin tie breaker for least-outstanding: how many requests this node was given.
     picked: int = 0
     # A decode node's context length (from /v1/models; None until known): a continuation
@@ -64,6 +66,7 @@ class Backend:
             "draining": self.draining,
             "leaving": self.leaving,
             "in_flight": self.in_flight,
+            "prefill_tokens": self.prefill_tokens,
             "last_error": self.last_error,
             "last_check_age_s": None if self.last_check is None
             else round(now - self.last_check, 3),

@@ -30,6 +30,7 @@ from appliance.proxy.split import (
     new_transfer_id,
     prefill_body,
     prefill_finish_reason,
+    prefill_prompt_tokens,
 )
 from appliance.proxy.upstream import Pool, Response, UpstreamError, Upstreams, wait_any
 
@@ -135,7 +136,9 @@ class Exchange:
                 d_resp.close()
                 return await self._prefill_failed(request, rec, body, p, d, p_error)
             p_raw = await p_resp.read()  # complete already: returns at once
-            rec.prefill_s = time.monotonic() - started
+            now = time.monotonic()
+            rec.prefill_answered(now, p_resp.status < 300, prefill_prompt_tokens(p_raw))
+            rec.prefill_s = now - started
             self.metrics.prefill_latency.observe(rec.prefill_s)
             if p_resp.status >= 300:
                 # For example 400, prompt too long: D must not wait for KV that never comes.
@@ -207,12 +210,16 @@ class Exchange:
         if p_error is not None or p_resp is None:
             assert p_error is not None
             return await self._prefill_failed(request, rec, body, p, d, p_error)
-        rec.prefill_s = time.monotonic() - started
+        now = time.monotonic()
+        rec.prefill_s = now - started
         self.metrics.prefill_latency.observe(rec.prefill_s)
         if p_resp.status >= 300:
+            rec.prefill_answered(now, False, None)
             return self._prefill_refused(rec, p, p_resp.status, p_raw)
 
         answer = first_token.parse_prefill_answer(p_raw, rec.route)
+        rec.prefill_answered(now, True, prefill_prompt_tokens(p_raw) if answer is None
+                             else len(answer.prompt_token_ids))
         if answer is None or not first_token.fits(body, rec.route, answer, d.max_model_len):
             # P's token cannot lead (a parser's output, half a character), or D would refuse
             # the length after the stream began: D answers classically, still from P's KV,
@@ -284,7 +291,14 @@ class Exchange:
         if rec.kv is not None:  # this D request does not ask for whatever P holds
             rec.kv.given_up(f"D asked alone ({reason})")
         self.metrics.fallbacks.labels(reason).inc()
-        rec.fallback, rec.decode = reason, d.url
+        rec.fallback = reason
+        return await self.local(request, rec, body, d)
+
+    async def local(self, request: web.Request, rec: Record, body: dict[str, Any],
+                    d: Backend) -> web.StreamResponse:
+        """D alone: the client's request as it is, prefilled and decoded by D. Placed so
+        (appliance.proxy.placement), or the fallback's last leg."""
+        rec.decode = d.url
         upstream = await self._send_decode(rec, d, rec.route, _encode(body))
         return await self.relay.relay(request, rec, d, upstream)
 

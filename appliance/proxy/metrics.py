@@ -64,6 +64,14 @@ class _HotPath(Collector):
         yield requests
         yield GaugeMetricFamily("pd_proxy_requests_in_flight", "Generation requests being served",
                                 value=m.in_flight())
+        split = CounterMetricFamily(
+            "pd_proxy_split_decisions",
+            "Where requests were prefilled (adaptive disaggregation), by decision (remote: "
+            "P, then its KV to D; local: D alone) and reason (policy, unmeasured, "
+            "itl_budget, sooner)", labels=["decision", "reason"])
+        for (decision, reason), n in sorted(m.split_counts.items()):
+            split.add_metric([decision, reason], n)
+        yield split
         yield m.decode_ttfb.family()
         yield m.prefill_latency.family()
 
@@ -76,6 +84,7 @@ class ProxyMetrics:
         r = self.registry
         self.in_flight = in_flight
         self.request_counts: dict[tuple[str, int], int] = {}
+        self.split_counts: dict[tuple[str, str], int] = {}  # the placement's, shared
         self.decode_ttfb = FastHistogram(
             "pd_proxy_decode_ttfb_seconds",
             "From the client's request to the answer's first body byte (D's, or P's token "

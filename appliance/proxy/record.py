@@ -5,8 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from appliance.proxy.ownership import PrefillKV
+
+if TYPE_CHECKING:
+    from appliance.proxy.placement import Decision, Ticket
 
 access_log = logging.getLogger("appliance.proxy.access")
 
@@ -26,13 +30,38 @@ class Record:
     fallback: str | None = None
     error: str | None = None
     kv: PrefillKV | None = None  # set once P is asked to keep KV for a transfer
+    # Adaptive disaggregation (appliance.proxy.placement): where the prompt is prefilled,
+    # the prefill's ticket (its tokens queued on P or D until done), and what the request
+    # showed: the prompt's characters and true tokens (P's usage), when P answered and D's
+    # first token came (monotonic), D's time per streamed token.
+    placed: Decision | None = None
+    ticket: Ticket | None = None
+    prompt_chars: int = 0
+    prompt_tokens: int | None = None
+    prefilled_at: float | None = None
+    decode_first_at: float | None = None
+    step_s: float | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.placed is not None and self.placed.local
+
+    def prefill_answered(self, now: float, ok: bool, prompt_tokens: int | None) -> None:
+        """P answered (its KV is ready for D): its prefill leaves P's queue."""
+        self.prefilled_at = now
+        self.prompt_tokens = prompt_tokens
+        if self.ticket is not None:
+            self.ticket.close(now, learn=ok, tokens=prompt_tokens)
 
     def log(self) -> None:
         total = time.monotonic() - self.started
         access_log.info(
-            "%s %s xfer=%s p=%s d=%s status=%d prefill_ms=%s ttfb_ms=%s total_ms=%.1f%s%s",
+            "%s %s xfer=%s p=%s d=%s status=%d split=%s prefill_ms=%s ttfb_ms=%s "
+            "total_ms=%.1f%s%s",
             self.route, self.request_id, self.transfer_id, self.prefill, self.decode,
-            self.status, _ms(self.prefill_s), _ms(self.ttfb_s), total * 1000,
+            self.status, "-" if self.placed is None
+            else f"{self.placed.where}:{self.placed.reason}",
+            _ms(self.prefill_s), _ms(self.ttfb_s), total * 1000,
             f" fallback={self.fallback}" if self.fallback else "",
             f" error={self.error!r}" if self.error else "")
 

@@ -101,7 +101,7 @@ class Relay:
                     return await self.relay(request, rec, d, await self._again(d, retry))
                 self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
                 raise ProxyError(502, f"decode node {d.url} failed mid-answer: {exc}") from None
-            self._first_byte(rec)
+            self._first_byte(rec, stream=False)
             if rec.kv is not None:
                 rec.kv.decode_answered()
             return web.Response(status=upstream.status, body=raw, headers={
@@ -146,10 +146,15 @@ class Relay:
         self._first_byte(rec)
         return out
 
-    def _first_byte(self, rec: Record) -> None:
+    def _first_byte(self, rec: Record, stream: bool = True) -> None:
         if rec.ttfb_s is None:
-            rec.ttfb_s = time.monotonic() - rec.started
+            now = time.monotonic()
+            rec.ttfb_s = now - rec.started
             self.metrics.decode_ttfb.observe(rec.ttfb_s)
+            if rec.local and rec.ticket is not None:
+                # D's local prefill is done: a stream's first token times it; a whole
+                # answer's first byte comes after the decode too, so it teaches nothing.
+                rec.ticket.close(now, learn=stream)
 
     async def stream(self, rec: Record, d: Backend, upstream: Response,
                      out: web.StreamResponse, *,
@@ -164,11 +169,16 @@ class Relay:
         kv = rec.kv if upstream.status < 300 else None
         relayed = False  # a byte of D's reached the client: D cannot be asked again
         again: Response | None = None
+        events, last = 0, 0.0  # D's SSE events and when the latest came: its step time
         try:
             while True:
                 try:
                     async for chunk in (again or upstream).chunks():
+                        if not relayed:
+                            rec.decode_first_at = time.monotonic()
                         relayed = True
+                        events += chunk.count(b"data: ")
+                        last = time.monotonic()
                         if kv is not None:
                             kv.decode_answered()
                             kv = None
@@ -209,6 +219,8 @@ class Relay:
         finally:
             if again is not None:
                 again.close()
+        if events > 3 and rec.decode_first_at is not None:  # [DONE] is an event too
+            rec.step_s = (last - rec.decode_first_at) / (events - 2)
         if error is not None:
             # Headers are gone already; the error event is how a stream says it failed.
             self.metrics.upstream_errors.labels("decode", d.url, "stream").inc()

@@ -186,6 +186,14 @@ class ProxySettings(BaseModel):
     # token comes after the transfer and one D step. Off: D gives every token.
     first_token_from_prefill: bool = True
 
+    # Adaptive disaggregation (appliance.proxy.placement): "always" splits every request
+    # (P prefills, D decodes), "never" serves each by D alone, "auto" picks per request by
+    # the node's measurements.
+    split: Literal["always", "never", "auto"] = "auto"
+    # The most a local prefill on D may stall D's running decodes, in ms (auto); unset: 3x
+    # D's measured time per token.
+    itl_slo_ms: float | None = Field(None, gt=0)
+
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Bearer keys for the /v1/ routes; empty: no auth.
     api_keys: list[str] = Field(default_factory=list)
@@ -341,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-token-from-prefill", dest="first_token_from_prefill",
                    action=argparse.BooleanOptionalAction,
                    help="stream P's token to the client at once, D continues after it")
+    p.add_argument("--split", choices=["always", "never", "auto"],
+                   help="always: P prefills every request, D decodes; never: D alone; auto "
+                        "(default): per request, the sooner by the node's measurements")
+    p.add_argument("--itl-slo-ms", dest="itl_slo_ms", type=float, metavar="MS",
+                   help="auto: the most a prefill on D may stall D's decodes (default: 3x "
+                        "D's measured time per token)")
     p.add_argument("--max-body-bytes", type=int, metavar="BYTES")
     p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
                    help=f"accepted Bearer key (repeatable; also ${API_KEYS_ENV}, comma-separated)")

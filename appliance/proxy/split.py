@@ -90,11 +90,38 @@ def pull_params(transfer_id: str, bootstrap_addr: str, engine_id: str) -> dict[s
     }
 
 
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+
+
+class _PrefillAnswer(msgspec.Struct):
+    """What the proxy reads of P's answer (the rest is skipped, not decoded)."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+
+
+_prefill_answer = msgspec.json.Decoder(_PrefillAnswer)
+
+
+def _answer(raw: bytes) -> _PrefillAnswer | None:
+    try:
+        return _prefill_answer.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def prefill_finish_reason(raw: bytes) -> str | None:
     """`finish_reason` of P's one choice; None when the body is not what vLLM sends."""
-    try:
-        data = msgspec.json.decode(raw)
-        reason = data["choices"][0]["finish_reason"]
-    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
-        return None
-    return reason if isinstance(reason, str) else None
+    a = _answer(raw)
+    return a.choices[0].finish_reason if a is not None and a.choices else None
+
+
+def prefill_prompt_tokens(raw: bytes) -> int | None:
+    """The prompt's tokens as P counted them (its usage), or None."""
+    a = _answer(raw)
+    return a.usage.prompt_tokens if a is not None and a.usage is not None else None

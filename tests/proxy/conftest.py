@@ -28,6 +28,9 @@ FAST = {
     # These tests cover the classic split (both at once, D's first token); the first-token
     # mode has its own (test_first_token.py).
     "first_token_from_prefill": False,
+    # They cover the remote paths (P, then D); adaptive placement has its own
+    # (test_placement.py).
+    "split": "always",
 }
 
 

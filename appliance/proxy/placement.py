@@ -1,0 +1,263 @@
+"""Adaptive disaggregation: where one request's prompt is prefilled, decided once, before
+the exchange picks a path.
+
+- `remote`: P prefills and its KV goes to D (the split and first-token paths);
+- `local`: D alone prefills and decodes; P is not called and holds nothing.
+
+Policy `split`: `always` (every request remote), `never` (every one local) or `auto`: the
+sooner of the two by the node's own measurements, unless a local prefill would stall D's
+running decodes past the ITL budget. What `auto` weighs (appliance.proxy.costmodel):
+
+- the prompt's tokens (exact for token-id prompts; else characters times the tokens per
+  character the engines' usage counts showed);
+- the prefill work already sent to P and to D and not done yet (tokens), so a backed-up P
+  sends new requests to D, and a D busy prefilling sends them to P;
+- per node, seconds as a line in (work ahead + own tokens), fitted from P's answer times
+  and D's first tokens on local streams (D borrows P's line until it has its own);
+- the handoff (transfer + D's first step): D's first token after P's answer;
+- the ITL budget: `itl_slo_ms`, or 3x D's unstalled time per streamed token.
+
+Every decision is counted by outcome and reason, written on the access line, and the
+last minute's split is in /status.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from appliance.proxy.backends import Backend
+from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
+from appliance.proxy.split import CHAT
+
+Split = Literal["always", "never", "auto"]
+SPLITS: tuple[Split, ...] = ("always", "never", "auto")
+# Without an itl_slo_ms, a local prefill may add up to this many of D's unstalled steps.
+ITL_BUDGET_STEPS = 3.0
+RECENT_S = 60
+
+
+@dataclass(frozen=True, slots=True)
+class Estimates:
+    """What one decision weighs, in seconds until the first token (None: not measured)."""
+
+    tokens: int
+    remote_s: float | None
+    local_s: float | None
+    # Other requests running on D: a local prefill stalls each one's decode step.
+    decodes_running: int
+    itl_budget_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    local: bool
+    # policy: split=always/never; unmeasured: auto has no timing of P yet (it learns);
+    # itl_budget: local would stall D's decodes longer than remote delays this request;
+    # backlog: it would, but P is so far behind that the request waits less on D;
+    # sooner: no decode to stall, the faster of the two.
+    reason: str
+    tokens: int = 0
+
+    @property
+    def where(self) -> str:
+        return "local" if self.local else "remote"
+
+
+def decide(split: Split, e: Estimates) -> Decision:
+    """The rule, pure: the tests and the benchmark read it as written here.
+
+    With decodes running on D, a local prefill taking longer than the ITL budget costs
+    each of them the excess on one token; remote costs this request the difference in
+    first-token time. The smaller cost, in seconds of someone's wait, wins."""
+    if split == "always":
+        return Decision(False, "policy", e.tokens)
+    if split == "never":
+        return Decision(True, "policy", e.tokens)
+    if e.remote_s is None or e.local_s is None:
+        return Decision(False, "unmeasured", e.tokens)
+    if e.decodes_running and e.local_s > (budget := e.itl_budget_s or 0.0):
+        stall = (e.local_s - budget) * e.decodes_running
+        if e.remote_s - e.local_s > stall:
+            return Decision(True, "backlog", e.tokens)
+        return Decision(False, "itl_budget", e.tokens)
+    return Decision(e.local_s <= e.remote_s, "sooner", e.tokens)
+
+
+def prompt_size(body: dict[str, Any], route: str) -> tuple[int, int]:
+    """(token ids given, characters of text) of a request's prompt."""
+    ids = chars = 0
+    if route == CHAT:
+        for m in body.get("messages") or ():
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+        return 0, chars
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return 0, len(prompt)
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int):
+            return len(prompt), 0
+        for p in prompt:  # several prompts: each is prefilled
+            if isinstance(p, str):
+                chars += len(p)
+            elif isinstance(p, list):
+                ids += len(p)
+    return ids, chars
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One prefill sent and not done: its tokens count as work queued on its node until
+    closed (P's answer; D's first token of a local stream; the request's end)."""
+
+    backend: Backend
+    model: Linear
+    tokens: int
+    ahead: int
+    sent: float
+    # The node's prefills not done, oldest first (shared by its tickets).
+    queue: dict[Ticket, None]
+    open: bool = True
+
+    def close(self, now: float, learn: bool, tokens: int | None = None) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.queue.pop(self, None)
+        self.backend.prefill_tokens -= self.tokens
+        if learn:
+            n = self.tokens if tokens is None else tokens
+            self.model.observe(self.ahead + n, now - self.sent)
+
+
+@dataclass
+class _Recent:
+    """Decisions of the last minute, in one-second buckets."""
+
+    buckets: deque[tuple[int, dict[str, int]]] = field(default_factory=deque)
+
+    def add(self, where: str, now: float) -> None:
+        second = int(now)
+        if not self.buckets or self.buckets[-1][0] != second:
+            self.buckets.append((second, {}))
+            while self.buckets and self.buckets[0][0] <= second - RECENT_S:
+                self.buckets.popleft()
+        counts = self.buckets[-1][1]
+        counts[where] = counts.get(where, 0) + 1
+
+    def totals(self, now: float) -> dict[str, int]:
+        out = {"remote": 0, "local": 0}
+        for second, counts in self.buckets:
+            if second > int(now) - RECENT_S:
+                for k, v in counts.items():
+                    out[k] = out.get(k, 0) + v
+        return out
+
+
+class Placement:
+    """The measurements and the decision; the proxy asks `choose` once per request."""
+
+    def __init__(self, split: Split, itl_slo_ms: float | None) -> None:
+        self.split = split
+        self.itl_slo_s = None if itl_slo_ms is None else itl_slo_ms / 1000
+        self.prefill: dict[str, Linear] = {}  # per node URL: P's and D's own prefills
+        self.handoff = Linear()  # P's answer -> D's first token, in the prompt's tokens
+        self.steps = StepTimes()
+        self.tokens_per_char = {route: TokensPerChar() for route in ("chat", "completions")}
+        self.counts: dict[tuple[str, str], int] = {}
+        self._recent = _Recent()
+        self._queues: dict[str, dict[Ticket, None]] = {}  # per node URL, oldest first
+
+    def _model(self, b: Backend) -> Linear:
+        m = self.prefill.get(b.url)
+        if m is None:
+            m = self.prefill[b.url] = Linear()
+        return m
+
+    def tokens(self, body: dict[str, Any], route: str) -> tuple[int, int]:
+        """(estimated prompt tokens, characters of prompt text)."""
+        ids, chars = prompt_size(body, route)
+        ratio = self.tokens_per_char["chat" if route == CHAT else "completions"].ratio
+        return max(1, ids + round(chars * ratio)), chars
+
+    def forget(self, url: str) -> None:
+        """A node dropped (it left and holds nothing): its measurements go with it."""
+        self.prefill.pop(url, None)
+        self._queues.pop(url, None)
+
+    def itl_budget_s(self) -> float | None:
+        if self.itl_slo_s is not None:
+            return self.itl_slo_s
+        base = self.steps.base()
+        return None if base is None else ITL_BUDGET_STEPS * base
+
+    def _waited(self, b: Backend, now: float) -> float:
+        """How long the oldest prefill not done on `b` has waited: a request sent now ends
+        after it (a frozen P's grows until it is found down)."""
+        queue = self._queues.get(b.url)
+        return now - next(iter(queue)).sent if queue else 0.0
+
+    def estimates(self, tokens: int, p: Backend, d: Backend, now: float) -> Estimates:
+        p_model, d_model = self._model(p), self._model(d)
+        p_line = p_model.predict(p.prefill_tokens + tokens)
+        remote = None
+        if p_line is not None:
+            # Until a stream has timed it, the handoff counts as free (remote's best case).
+            handoff = self.handoff.predict(tokens) or 0.0
+            remote = max(p_line, self._waited(p, now)) + handoff
+        # D computes like P (same model, usually the same hardware) until it has measured
+        # its own local prefills, which include what its decodes cost them.
+        d_line = (d_model if d_model.samples else p_model).predict(d.prefill_tokens + tokens)
+        local = None if d_line is None else max(d_line, self._waited(d, now))
+        # The request being placed is counted in D's in_flight already (admission).
+        return Estimates(tokens, remote, local, max(0, d.in_flight - 1), self.itl_budget_s())
+
+    def choose(self, body: dict[str, Any], route: str, p: Backend,
+               d: Backend) -> tuple[Decision, Ticket, int]:
+        """The decision, the ticket of the prefill it sends (to P for remote, to D for
+        local), and the prompt's characters."""
+        tokens, chars = self.tokens(body, route)
+        now = time.monotonic()
+        e = (self.estimates(tokens, p, d, now) if self.split == "auto"
+             else Estimates(tokens, None, None, 0, None))
+        decision = decide(self.split, e)
+        key = (decision.where, decision.reason)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self._recent.add(decision.where, now)
+        node = d if decision.local else p
+        queue = self._queues.setdefault(node.url, {})
+        ticket = Ticket(node, self._model(node), tokens, node.prefill_tokens, now, queue)
+        queue[ticket] = None
+        node.prefill_tokens += tokens
+        return decision, ticket, chars
+
+    def learned(self, route: str, chars: int, prompt_tokens: int | None,
+                handoff: tuple[int, float] | None, step_s: float | None) -> None:
+        """What one finished request showed: its prompt's true size, the handoff of a
+        remote stream (tokens, seconds), D's time per streamed token."""
+        if prompt_tokens and chars:
+            self.tokens_per_char["chat" if route == CHAT else "completions"].observe(
+                chars, prompt_tokens)
+        if handoff is not None:
+            self.handoff.observe(*handoff)
+        if step_s is not None:
+            self.steps.observe(step_s)
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "policy": self.split,
+            "last_minute": self._recent.totals(now),
+            "itl_budget_ms": None if (b := self.itl_budget_s()) is None else round(b * 1000, 3),
+            "prefill": {url: m.describe() for url, m in sorted(self.prefill.items())},
+            "handoff": self.handoff.describe(),
+        }

@@ -1,0 +1,207 @@
+"""Adaptive disaggregation: the rule, the estimators, and the proxy deciding with fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from pydantic import ValidationError
+
+from appliance.proxy.backends import Backend
+from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
+from appliance.proxy.placement import Estimates, Placement, decide, prompt_size
+from appliance.proxy.settings import load_settings
+from tests.proxy.conftest import MakeCluster
+
+
+def E(remote: float | None, local: float | None, running: int = 0,
+      budget: float | None = None) -> Estimates:
+    return Estimates(100, remote, local, running, budget)
+
+
+@pytest.mark.parametrize("estimates,local,reason", [
+    (E(None, None), False, "unmeasured"),
+    (E(None, 0.1), False, "unmeasured"),
+    (E(0.3, 0.2), True, "sooner"),          # idle D: no transfer, sooner
+    (E(0.2, 0.3), False, "sooner"),         # D busier prefilling than P
+    (E(0.2, 0.2), True, "sooner"),          # a tie stays on D: P and the link stay free
+    (E(0.3, 0.2, running=4, budget=0.05), False, "itl_budget"),  # 4 x 0.15 s of stall
+    (E(0.3, 0.04, running=4, budget=0.05), True, "sooner"),      # within the budget
+    (E(5.0, 0.2, running=4, budget=0.05), True, "backlog"),      # P far behind
+    (E(0.3, 0.2, running=1, budget=None), False, "itl_budget"),  # no budget known: 0
+])
+def test_the_rule(estimates: Estimates, local: bool, reason: str) -> None:
+    d = decide("auto", estimates)
+    assert (d.local, d.reason) == (local, reason)
+
+
+def test_policies_ignore_estimates() -> None:
+    assert decide("always", E(9, 0.1)).where == "remote"
+    assert decide("never", E(0.1, 9, running=8)).where == "local"
+    assert decide("always", E(9, 0.1)).reason == decide("never", E(1, 1)).reason == "policy"
+
+
+def test_linear_fits_fixed_and_per_token_cost() -> None:
+    line = Linear()
+    assert line.predict(100) is None
+    for n in (100, 400, 800, 1600, 200, 1200):
+        line.observe(n, 0.02 + n * 0.0005)
+    a, b = line.coefficients()  # type: ignore[misc]
+    assert a == pytest.approx(0.02, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
+    assert line.predict(1000) == pytest.approx(0.52)
+
+
+def test_linear_without_spread_is_proportional_and_follows_change() -> None:
+    line = Linear()
+    line.observe(100, 0.1)
+    assert line.predict(200) == pytest.approx(0.2)
+    for _ in range(60):  # the node got twice as slow: the old samples fade
+        line.observe(100, 0.2)
+    assert line.predict(100) == pytest.approx(0.2, rel=0.01)
+
+
+def test_tokens_per_char_learns_from_usage() -> None:
+    t = TokensPerChar()
+    assert t.ratio == t.prior
+    t.observe(chars=400, tokens=100)
+    t.observe(chars=0, tokens=5)  # ignored
+    assert t.ratio == pytest.approx(0.25)
+
+
+def test_step_times_base_is_a_low_quantile() -> None:
+    s = StepTimes(window=8)
+    assert s.base() is None
+    for v in (0.01, 0.01, 0.011, 0.012, 0.2, 0.3, 0.01, 0.5, 0.01, 0.01):
+        s.observe(v)
+    assert s.base() == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("route,body,size", [
+    ("/v1/completions", {"prompt": "abcd"}, (0, 4)),
+    ("/v1/completions", {"prompt": [5, 6, 7]}, (3, 0)),
+    ("/v1/completions", {"prompt": ["ab", "cde"]}, (0, 5)),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, (3, 0)),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "system", "content": "abc"},
+        {"role": "user", "content": [{"type": "text", "text": "de"}, {"type": "image_url"}]},
+        "junk"]}, (0, 5)),
+])
+def test_prompt_size(route: str, body: dict, size: tuple[int, int]) -> None:
+    assert prompt_size(body, route) == size
+
+
+def test_queued_work_moves_requests_off_a_backed_up_p() -> None:
+    place = Placement("auto", itl_slo_ms=None)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    d.in_flight = 1  # the request being placed (admission counted it)
+    place.prefill[p.url] = line = Linear()
+    for n in (100, 1000):
+        line.observe(n, n * 0.001)
+    place.handoff.observe(100, 0.01)
+    first, t1, _ = place.choose({"prompt": list(range(100))}, "/v1/completions", p, d)
+    assert (first.where, first.reason) == ("local", "sooner")
+    assert d.prefill_tokens == 100 and t1.ahead == 0
+    # D now prefills 5,000 tokens: the next request is sooner on P.
+    d.prefill_tokens = 5000
+    second, t2, _ = place.choose({"prompt": list(range(100))}, "/v1/completions", p, d)
+    assert (second.where, second.reason) == ("remote", "sooner")
+    assert p.prefill_tokens == 100 and t2.ahead == 0
+    t2.close(0.0, learn=False)
+    t2.close(0.0, learn=False)  # once only
+    assert p.prefill_tokens == 0
+    place.forget(p.url)
+    assert p.url not in place.prefill
+
+
+def test_settings_refuse_bad_values_in_one_line() -> None:
+    with pytest.raises(SystemExit):
+        load_settings(["--split", "sometimes"])
+    with pytest.raises(ValidationError, match="itl_slo_ms"):
+        load_settings(["--itl-slo-ms", "0"])
+    assert load_settings([]).split == "auto"
+
+
+async def _stream(c, prompt: str = "hello there") -> int:
+    async with c.http.post(f"{c.url}/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True}) as r:
+        await r.read()
+        return r.status
+
+
+async def test_never_serves_by_d_alone_and_p_holds_nothing(make_cluster: MakeCluster,
+                                                         caplog) -> None:
+    c = await make_cluster(split="never")
+    caplog.set_level(logging.INFO, logger="appliance.proxy.access")
+    status, data, _ = await c.post()
+    assert status == 200 and data["choices"][0]["text"] == "t0 t1 t2 t3"
+    assert c.prefill[0].received == [] and c.released() == []
+    (got,) = c.decode[0].bodies()
+    assert "kv_transfer_params" not in got
+    assert "split=local:policy" in caplog.text and "fallback" not in caplog.text
+    metrics = await c.metrics()
+    assert 'pd_proxy_split_decisions_total{decision="local",reason="policy"} 1.0' in metrics
+    assert "pd_proxy_prefill_fallbacks_total" not in metrics.split("# TYPE pd_proxy_prefill_"
+                                                                   "fallbacks")[-1][:200]
+    status_body = await c.status()
+    assert status_body["split"]["policy"] == "never"
+    assert status_body["split"]["last_minute"] == {"remote": 0, "local": 1}
+    assert status_body["decode"][0]["prefill_tokens"] == 0
+
+
+async def test_auto_learns_then_keeps_an_idle_node_local(make_cluster: MakeCluster) -> None:
+    c = await make_cluster(split="auto")
+    c.prefill[0].delay = 0.2
+    assert await _stream(c) == 200  # nothing measured yet: P is asked, and timed
+    assert len(c.prefill[0].received) == 1
+    assert await _stream(c) == 200  # D idle: sooner without the handoff
+    assert len(c.prefill[0].received) == 1 and len(c.decode[0].received) == 2
+    split = (await c.status())["split"]
+    assert split["last_minute"] == {"remote": 1, "local": 1}
+    assert split["prefill"][c.prefill[0].url]["samples"] == 1
+    assert split["handoff"]["samples"] == 1
+    metrics = await c.metrics()
+    for decision, reason in (("remote", "unmeasured"), ("local", "sooner")):
+        assert (f'pd_proxy_split_decisions_total{{decision="{decision}",reason="{reason}"}} '
+                "1.0") in metrics
+
+
+async def test_auto_keeps_long_prefills_off_a_decoding_d(make_cluster: MakeCluster) -> None:
+    c = await make_cluster(split="auto", itl_slo_ms=1)
+    c.prefill[0].delay = 0.1
+    assert await _stream(c) == 200  # learns P: 0.1 s for its 5 tokens
+    # D prefills as slowly as P (its first token after 0.1 s) and then decodes for 2 s.
+    c.decode[0].delay, c.decode[0].chunks, c.decode[0].chunk_delay = 0.1, 40, 0.05
+    running = asyncio.create_task(_stream(c))  # local: D is idle
+    await c.decode[0].wait_requests(2)
+    c.decode[0].chunks, c.decode[0].chunk_delay = 4, 0.0
+    # D is decoding: a 0.1 s prefill there would stall that stream 100x its budget.
+    assert await _stream(c) == 200
+    assert len(c.prefill[0].received) == 2
+    assert await running == 200
+    metrics = await c.metrics()
+    assert 'pd_proxy_split_decisions_total{decision="remote",reason="itl_budget"} 1.0' \
+        in metrics
+
+
+async def test_auto_sends_new_requests_to_d_while_p_is_frozen(make_cluster: MakeCluster) -> None:
+    c = await make_cluster(split="auto", itl_slo_ms=1, prefill_timeout_s=30)
+    c.prefill[0].delay = 0.1
+    assert await _stream(c) == 200  # learns P: 0.1 s
+    c.decode[0].delay, c.decode[0].chunks, c.decode[0].chunk_delay = 0.1, 200, 0.02
+    decoding = asyncio.create_task(_stream(c))  # local (0.1 s, as P), keeps D busy
+    await c.decode[0].wait_requests(2)
+    c.decode[0].chunks, c.decode[0].chunk_delay = 4, 0.0
+    c.prefill[0].hang = True  # P answers nothing now (its health checks still pass)
+    stuck = asyncio.create_task(_stream(c))  # 0.1 s on D is past the budget: remote, stuck
+    await c.prefill[0].wait_requests(2)
+    await asyncio.sleep(0.5)
+    # The stuck prefill has waited 0.5 s: that outweighs stalling one decode.
+    status, _, took = await c.post(body={"model": "tiny", "prompt": "hello there",
+                                                "max_tokens": 4})
+    assert status == 200 and took < 2
+    assert len(c.prefill[0].received) == 2
+    metrics = await c.metrics()
+    assert 'pd_proxy_split_decisions_total{decision="local",reason="backlog"} 1.0' in metrics
+    stuck.cancel()
+    decoding.cancel()
