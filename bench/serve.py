@@ -1,20 +1,24 @@
 """`vllm bench serve` (it ships with vLLM; run through the launcher) against the appliance's
-proxy and against one plain vLLM server given the same two cores, in one run: request
-throughput, TTFT, TPOT and ITL at p50 and p99.
+proxy, placing requests by `split=always` and by `split=auto`, and against one plain vLLM
+server given the same two cores, in one run: request throughput, TTFT, TPOT and ITL at p50
+and p99, and where `auto` placed the requests.
 
-    .venv/bin/python bench/serve.py [--workloads tiny,mixed] [--rounds 2] [--quick]
+    .venv/bin/python bench/serve.py [--workloads tiny,mixed,prefix] [--rounds 2] [--quick]
 
-Workloads (vLLM's random dataset, the model's own tokenizer):
-- tiny: the tiny model, short prompts and outputs, a closed loop of 8 clients;
+Workloads (vLLM's datasets, the model's own tokenizer):
+- tiny: the tiny model, short prompts (64-192 tokens) and outputs, a closed loop of 8
+  clients;
 - mixed: the larger-KV model (48 KiB of KV per token), prompts of 100 to 1,900 tokens at
   a steady arrival rate, so long prefills land among running decodes. There a plain
   server's decode steps wait behind each prefill (its ITL p99 spikes) while the
-  appliance's D only decodes.
+  appliance's D only decodes;
+- prefix: the larger-KV model, prompts sharing long prefixes (vLLM's prefix_repetition).
 
-The appliance is P on CPU 0 and D on CPU 1 behind its proxy; the plain server has both
-CPUs. Both are up at once and take turns, round by round (each round its own prompts, so
-no prefix cache helps); an idle server's workers stop polling a second after their last
-step, so the turns do not overlap. Ratios are appliance / plain.
+Each appliance setup is P on CPU 0 and D on CPU 1 behind its own proxy (its own servers:
+shared ones would see each prompt twice, a prefix-cache hit); the plain server has both
+CPUs. All are up at once and take turns, round by round (each round its own prompts); an
+idle server's workers stop polling a second after their last step, so the turns do not
+overlap. Ratios are setup / plain, and auto / always.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +58,19 @@ class Workload:
 
 WORKLOADS = {
     "tiny": Workload("tiny", "tiny", (
-        "--random-input-len", "128", "--random-output-len", "32", "--random-range-ratio",
-        "0.5", "--num-prompts", "64", "--max-concurrency", "8")),
+        "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "32",
+        "--random-range-ratio", "0.5", "--num-prompts", "64", "--max-concurrency", "8")),
     "mixed": Workload("mixed", "kvbench", (
-        "--random-input-len", "1000", "--random-output-len", "48", "--random-range-ratio",
-        "0.9", "--num-prompts", "24", "--request-rate", "1.5", "--max-concurrency", "6")),
+        "--dataset-name", "random", "--random-input-len", "1000", "--random-output-len",
+        "48", "--random-range-ratio", "0.9", "--num-prompts", "24", "--request-rate", "1.5",
+        "--max-concurrency", "6")),
+    "prefix": Workload("prefix", "kvbench", (
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "768",
+        "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
+        "--prefix-repetition-output-len", "32", "--num-prompts", "32",
+        "--max-concurrency", "8")),
 }
+SETUPS = ("always", "auto")
 
 
 def plain_setup(model: Path, log_dir: Path) -> Setup:
@@ -75,7 +87,7 @@ def bench_serve(url: str, model: Path, work: Workload, seed: int, out: Path,
         args[i + 1] = str(max(4, int(args[i + 1]) // 4))
     cmd = [sys.executable, "-m", "appliance.launcher", "bench", "serve", "--backend", "vllm",
            "--base-url", url, "--model", SERVED, "--tokenizer", str(model),
-           "--dataset-name", "random", *args, "--ignore-eos", "--seed", str(seed),
+           *args, "--ignore-eos", "--seed", str(seed),
            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99",
            "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
            "--result-filename", out.name]
@@ -98,10 +110,21 @@ def _row(results: list[dict]) -> dict[str, float]:
     return row
 
 
+def decisions(url: str) -> dict[str, float]:
+    """The proxy's placement counts so far: {"remote": n, "local": m}."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    out = {"remote": 0.0, "local": 0.0}
+    for line in text.splitlines():
+        if line.startswith("pd_proxy_split_decisions_total{"):
+            where = line.split('decision="', 1)[1].split('"', 1)[0]
+            out[where] = out.get(where, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="tiny,mixed")
+    parser.add_argument("--workloads", default="tiny,mixed,prefix")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a quarter of the prompts")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-serve"))
@@ -112,8 +135,10 @@ def main() -> None:
     for name in args.workloads.split(","):
         work = WORKLOADS[name]
         model = tinymodel.build(ROOT / ".cache" / "models" / work.model, work.model)
-        setups = [appliance_setup(model, args.log_dir), plain_setup(model, args.log_dir)]
+        setups = [*(appliance_setup(model, args.log_dir, split, split) for split in SETUPS),
+                  plain_setup(model, args.log_dir)]
         results: dict[str, list[dict]] = {s.name: [] for s in setups}
+        placed = {"remote": 0.0, "local": 0.0}
         started: list[Setup] = []
         try:
             for setup in setups:
@@ -129,22 +154,36 @@ def main() -> None:
                     console.log(f"{name}: round {rnd + 1}, {setup.name}")
                     results[setup.name].append(
                         bench_serve(url, model, work, 1000 + rnd, out, args.quick))
+            auto = next(s for s in setups if s.name == "auto")
+            assert auto.proxy_url is not None
+            placed = decisions(auto.proxy_url)
         finally:
             for setup in reversed(started):
                 setup.stop()
-        tables.append((work, {k: _row(v) for k, v in results.items()}))
+        tables.append((work, {k: _row(v) for k, v in results.items()}, placed))
 
-    for work, rows in tables:
+    for work, rows, placed in tables:
+        total = sum(placed.values()) or 1
         table = Table(title=f"{work.name} ({work.model}): {' '.join(work.args)}; medians of "
-                            f"{args.rounds} rounds")
+                            f"{args.rounds} rounds; auto placed {placed['local'] / total:.0%} "
+                            f"local, {placed['remote'] / total:.0%} remote")
         table.add_column("metric")
         for setup in rows:
             table.add_column(setup, justify="right")
-        table.add_column("appliance / plain", justify="right")
+        for setup in SETUPS:
+            table.add_column(f"{setup} / plain", justify="right")
+        table.add_column("auto / always", justify="right")
         for key in rows["plain"]:
-            a, p = rows["appliance"][key], rows["plain"][key]
-            table.add_row(key, f"{a:.2f}", f"{p:.2f}", f"{a / p:.2f}" if p else "-")
+            p = rows["plain"][key]
+            cells = [f"{rows[s][key]:.2f}" for s in rows]
+            cells += [_ratio(rows[s][key], p) for s in SETUPS]
+            cells.append(_ratio(rows["auto"][key], rows["always"][key]))
+            table.add_row(key, *cells)
         Console().print(table)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "-"
 
 
 if __name__ == "__main__":

@@ -133,18 +133,22 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                  bootstrap_url=f"http://127.0.0.1:{bport}", engine_id="p0")
 
 
-def appliance_setup(model: Path, log_dir: Path) -> Setup:
+def appliance_setup(model: Path, log_dir: Path, split: str = "always",
+                    name: str = "appliance") -> Setup:
     """The appliance as users meet it: our proxy (P's token first) in front of a P and D of
-    its own (shared servers would see each prompt twice: a prefix-cache hit)."""
-    servers = ours_setup(model, log_dir, name="appliance")
+    its own (shared servers would see each prompt twice: a prefix-cache hit). `split`:
+    the proxy's placement policy (always: every request through P, as this benchmark
+    measures)."""
+    servers = ours_setup(model, log_dir, name=name)
     port = free_port()
     proxy = ServiceProcess(
-        "appliance-proxy", [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1",
-                            "--port", str(port), "--prefill",
-                            f"{servers.prefill_url},{servers.bootstrap_url}",
-                            "--decode", str(servers.decode_url), "--no-log-requests"],
-        log_dir / "appliance-proxy.log", health_url=f"http://127.0.0.1:{port}/health")
-    return Setup("appliance", [*servers.services, proxy], proxy_url=f"http://127.0.0.1:{port}")
+        f"{name}-proxy", [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1",
+                          "--port", str(port), "--prefill",
+                          f"{servers.prefill_url},{servers.bootstrap_url}",
+                          "--decode", str(servers.decode_url), "--no-log-requests",
+                          "--split", split],
+        log_dir / f"{name}-proxy.log", health_url=f"http://127.0.0.1:{port}/health")
+    return Setup(name, [*servers.services, proxy], proxy_url=f"http://127.0.0.1:{port}")
 
 
 def builtin_setup(model: Path, log_dir: Path) -> Setup:

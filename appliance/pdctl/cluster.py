@@ -43,6 +43,7 @@ from appliance.pdctl.config import (
     InstanceLists,
     ModelSection,
     PortsSection,
+    ProxySection,
     Stack,
     TimeoutsSection,
     TransferSection,
@@ -63,7 +64,7 @@ class ClusterHost(HostSection, InstanceLists):
     cpus: int = Field(0, ge=0, le=4096)  # the host's CPUs (stack "cpu")
 
 
-class ProxyPlacement(_Section):
+class ProxyPlacement(ProxySection):
     host: str
     policy: Literal["round_robin", "least_outstanding"] = "round_robin"
 
@@ -132,7 +133,8 @@ class ClusterDescription(_Section):
             "transfer": self.transfer.model_dump(), "ports": self.ports.model_dump(),
             "timeouts": self.timeouts.model_dump(),
             "images": self.images.model_dump(exclude_none=True),
-            "compose": self.compose.model_dump(), "cluster": part.model_dump()})
+            "compose": self.compose.model_dump(), "cluster": part.model_dump(),
+            "proxy": self.proxy.model_dump(include=set(ProxySection.model_fields))})
 
     def problems(self) -> list[str]:
         """Cross-field problems, one line each."""

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.pdctl.cluster import ClusterPlan
-from appliance.pdctl.status import Reply, counters, fetch, metric_samples
+from appliance.pdctl.status import Reply, counters, fetch, metric_samples, split_summary
 
 # The transfer counters each instance shows (appliance/connector/stats.py), and the ones
 # that mean KV did not move: D then recomputes the prompt (kv_load_failure_policy), so the
@@ -46,6 +46,8 @@ class ClusterStatus:
     problems: list[str] = field(default_factory=list)
     # Serving, but not as it should (counters since start): shown, the exit code unchanged.
     warnings: list[str] = field(default_factory=list)
+    # The proxy's placement: its policy and the last minute's {"remote": n, "local": m}.
+    split: dict[str, Any] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -89,6 +91,10 @@ def gather(plan: ClusterPlan, headers: Mapping[str, str] | None = None,
     answer = reply.json() if ok else None
     if not isinstance(answer, dict):
         return status
+    split = answer.get("split")
+    if isinstance(split, dict):
+        status.split = {"policy": split.get("policy"),
+                        "last_minute": split.get("last_minute") or {}}
     listed = {b.get("url"): bool(b.get("in_rotation"))
               for role in ("prefill", "decode") for b in answer.get(role) or []
               if isinstance(b, dict)}
@@ -124,6 +130,8 @@ def render_table(status: ClusterStatus, console: Console) -> None:
         table.add_row(m.name, m.url, m.devices, m.health if m.healthy else f"[red]{m.health}",
                       rotation, kv)
     console.print(table)
+    if status.split is not None:
+        console.print(f"proxy: {split_summary(status.split)}")
     for line in status.problems:
         console.print(f"[red]problem:[/] {line}")
     for line in status.warnings:

@@ -30,6 +30,7 @@ from appliance.pdctl.sections import (  # noqa: F401 - re-exported: the config's
     ImagesSection,
     Port,
     PortsSection,
+    ProxySection,
     TimeoutsSection,
     TlsSection,
     TransferSection,
@@ -256,6 +257,7 @@ class HostConfig(_Section):
     tls: TlsSection = Field(default_factory=TlsSection)
     images: ImagesSection = Field(default_factory=ImagesSection)
     compose: ComposeSection = Field(default_factory=ComposeSection)
+    proxy: ProxySection = Field(default_factory=ProxySection)
     cluster: ClusterPart | None = None
 
     def instances(self, role: str) -> list[list[int]]:

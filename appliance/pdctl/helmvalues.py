@@ -88,7 +88,8 @@ def helm_values(desc: ClusterDescription) -> dict[str, Any]:
         **{role: _role(desc, role) for role in ROLES},
         "ports": {"prefill": desc.ports.prefill, "decode": desc.ports.decode,
                   "bootstrap": desc.ports.bootstrap, "proxy": desc.ports.proxy},
-        "proxy": {"policy": desc.proxy.policy},
+        "proxy": {"policy": desc.proxy.policy, "split": desc.proxy.split,
+                  "itlSloMs": desc.proxy.itl_slo_ms},
         "transfer": {
             # The CPU images move KV over TCP only.
             "protocol": "tcp" if desc.stack == "cpu" else t.protocol,

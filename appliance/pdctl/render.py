@@ -58,7 +58,7 @@ def proxy_args(cfg: HostConfig, out_dir: Path) -> list[str]:
     k = keys.NodeKeys(keys_dir(out_dir))
     args = ["--backend-api-key-file", str(k.api_key),
             "--bootstrap-token-file", bootstrap_token_file(cfg, out_dir),
-            "--side-channel-key-file", str(k.side_channel_key)]
+            "--side-channel-key-file", str(k.side_channel_key), *cfg.proxy.args()]
     if cfg.auth.api_keys_file:
         args += ["--config", str(out_dir / PROXY_FILE)]
         if cfg.auth.protect_ops_endpoints:

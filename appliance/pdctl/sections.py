@@ -126,6 +126,23 @@ class ImagesSection(_Section):
         return v
 
 
+class ProxySection(_Section):
+    """How the proxy places each request (appliance.proxy.placement)."""
+
+    # always: P prefills every request and D decodes; never: D alone; auto: per request,
+    # the sooner by the node's measurements, keeping D's decodes within the ITL budget.
+    split: Literal["always", "never", "auto"] = "auto"
+    # That budget in ms (auto); unset: 3x D's measured time per token.
+    itl_slo_ms: float | None = Field(None, gt=0)
+
+    def args(self) -> list[str]:
+        """The proxy's flags for these."""
+        out = ["--split", self.split]
+        if self.itl_slo_ms is not None:
+            out += ["--itl-slo-ms", f"{self.itl_slo_ms:g}"]
+        return out
+
+
 class ComposeSection(_Section):
     project: str = "pd-appliance"
     shm_size: str = "16g"

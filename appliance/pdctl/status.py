@@ -62,6 +62,8 @@ class NodeStatus:
     engine_ids: list[str] = field(default_factory=list)
     backends: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int | None = None
+    # The proxy's placement: its policy and the last minute's {"remote": n, "local": m}.
+    split: dict[str, Any] | None = None
     counters: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -211,6 +213,10 @@ def _proxy_details(status: NodeStatus, svc: ServiceStatus, url: str, timeout: fl
     body = fetch(f"{url}/status", timeout, auth).json()
     if isinstance(body, dict):
         status.in_flight = body.get("in_flight")
+        split = body.get("split")
+        if isinstance(split, dict):
+            status.split = {"policy": split.get("policy"),
+                            "last_minute": split.get("last_minute") or {}}
         for role in ("prefill", "decode"):
             for b in body.get(role) or []:
                 status.backends.append({"role": role, **b})
@@ -228,6 +234,15 @@ def _proxy_details(status: NodeStatus, svc: ServiceStatus, url: str, timeout: fl
              for role in ("prefill", "decode")}
     svc.detail = (f"backends P {ready['prefill']}/{total['prefill']}, D {ready['decode']}/"
                   f"{total['decode']} in rotation; in flight {status.in_flight or 0}")
+    if status.split is not None:
+        svc.detail += "; " + split_summary(status.split)
+
+
+def split_summary(split: Mapping[str, Any]) -> str:
+    """`split auto, last minute: 12 remote (P then D), 30 local (D alone)`."""
+    last = split.get("last_minute") or {}
+    return (f"split {split.get('policy')}, last minute: {last.get('remote', 0)} remote "
+            f"(P then D), {last.get('local', 0)} local (D alone)")
 
 
 # ---- output -----------------------------------------------------------------------------

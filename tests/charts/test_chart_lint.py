@@ -36,6 +36,8 @@ BAD: dict[str, tuple[dict[str, Any], list[str]]] = {
     "negative replicas": ({"decode": {"replicas": -1}}, ["decode.replicas", "0"]),
     "tp zero": ({"model": {"tpSize": 0}}, ["model.tpSize"]),
     "policy": ({"proxy": {"policy": "random"}}, ["proxy.policy"]),
+    "split": ({"proxy": {"split": "sometimes"}}, ["proxy.split"]),
+    "itl budget": ({"proxy": {"itlSloMs": 0}}, ["proxy.itlSloMs"]),
     "service type": ({"proxy": {"service": {"type": "ExternalName"}}},
                      ["proxy.service.type"]),
     "port": ({"ports": {"decode": 70000}}, ["ports.decode"]),

@@ -268,6 +268,11 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
         assert got[f"--k8s-{role}-port"] == str(v["ports"][role])
     assert got["--k8s-bootstrap-port"] == str(v["ports"]["bootstrap"])
     assert got["--policy"] == v["proxy"]["policy"]
+    assert got["--split"] == v["proxy"]["split"]
+    if v["proxy"].get("itlSloMs") is not None:
+        assert float(got["--itl-slo-ms"]) == v["proxy"]["itlSloMs"]
+    else:
+        assert "--itl-slo-ms" not in got
     assert got["--backend-api-key-file"] == f"{KEYS_DIR}/{node_keys.API_KEY}"
     assert got["--bootstrap-token-file"] == f"{KEYS_DIR}/{node_keys.BOOTSTRAP_TOKEN}"
     assert got["--side-channel-key-file"] == f"{KEYS_DIR}/{node_keys.SIDE_CHANNEL_KEY}"

@@ -31,7 +31,8 @@ DESCRIPTIONS: dict[str, tuple[dict[str, Any], tuple[int, int], tuple[int, int]]]
                     "decode": [[1]]}), (1, 1), (1, 1)),
     "2p1d": (_desc({"name": "a", "ip": "10.0.0.1", "gpus": 8, "prefill": [[0], [1]]},
                    {"name": "b", "ip": "10.0.0.2", "gpus": 8, "decode": [[0]]},
-                   proxy={"host": "b", "policy": "least_outstanding"}), (2, 1), (1, 1)),
+                   proxy={"host": "b", "policy": "least_outstanding", "split": "always",
+                          "itl_slo_ms": 25}), (2, 1), (1, 1)),
     "1p2d-tp2": (_desc({"name": "a", "ip": "10.0.0.1", "gpus": 8, "prefill": [[0, 1]],
                         "decode": [[2, 3], [4, 5]]}, model={"tp_size": 2}), (1, 2), (2, 2)),
     "p-tp2-d-tp1": (_desc({"name": "a", "ip": "10.0.0.1", "gpus": 8, "prefill": [[0, 1]],
@@ -50,6 +51,8 @@ def test_values_from_a_description(name: str) -> None:
     assert values["stack"] == "gpu" and values["model"]["path"] == "/models/qwen"
     assert values["model"]["volume"] == {"type": "hostPath", "hostPath": "/models/qwen"}
     assert values["proxy"]["policy"] == desc.proxy.policy
+    assert values["proxy"]["split"] == desc.proxy.split
+    assert values["proxy"]["itlSloMs"] == desc.proxy.itl_slo_ms
     assert values["transfer"]["protocol"] == "rdma" and values["transfer"]["device"] == "mlx5_0"
     assert values["ports"] == {"prefill": 8010, "decode": 8020, "bootstrap": 8998,
                                "proxy": 8000}

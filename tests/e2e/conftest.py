@@ -29,8 +29,11 @@ PREFILL_MAX_LEN = 1024
 @contextmanager
 def running_node(tiny_model: Path, log_dir: Path, timeout: float = 400,
                  **spec: Any) -> Iterator[LocalNode]:
-    """A node of the tiny model on free ports, stopped afterwards whatever happens."""
+    """A node of the tiny model on free ports, stopped afterwards whatever happens. Its
+    proxy splits every request (these tests are about P, the transfer and D); placement
+    by `auto`, the default, has tests of its own (test_pd_placement.py)."""
     spec.setdefault("connector_extra", dict(TEST_CONNECTOR))
+    spec.setdefault("proxy_args", (*NodeSpec.proxy_args, "--split", "always"))
     node = LocalNode(NodeSpec(model=tiny_model, prefill_port=free_port(),
                               decode_port=free_port(), bootstrap_port=free_port(),
                               log_dir=log_dir, **spec))

@@ -21,6 +21,13 @@ def metric(base: str, series: str) -> float:
                if line.startswith(series + "{") or line.startswith(series + " "))
 
 
+def remote_decisions(proxy: str) -> float:
+    """Requests the proxy at `proxy` placed remote (P prefills, D pulls its KV)."""
+    text = urllib.request.urlopen(proxy + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('pd_proxy_split_decisions_total{decision="remote"'))
+
+
 def kv_usage(base: str) -> float:
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

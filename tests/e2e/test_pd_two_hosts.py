@@ -93,6 +93,7 @@ def two_hosts(tiny_model, tmp_path_factory):
         proxy = [sys.executable, "-m", "appliance.proxy", "--host", ip_d, "--port", "8000",
                  "--prefill", f"http://{ip_p}:8010,{bootstrap}",
                  "--decode", f"http://{ip_d}:8020", "--health-interval", "0.5",
+                 "--split", "always",  # every request's KV crosses the link
                  "--backend-api-key-file", str(node_keys.api_key), "--bootstrap-token-file",
                  str(node_keys.bootstrap_token), "--side-channel-key-file",
                  str(node_keys.side_channel_key)]

@@ -52,6 +52,7 @@ def description(model: str, hosts: list, ips: list[str]) -> str:
     lines = ['stack = "cpu"', "[model]", f"path = {_toml(model)}", 'served_name = "tiny"',
              "max_model_len = 2048", f"kv_cache_bytes = {kv}",
              'extra_args = ["--enforce-eager"]', "[proxy]", f'host = "{hosts[-1][0]}"',
+             'split = "always"',  # every request's KV crosses hosts: what is checked
              "[timeouts]", *(f"{k} = {v}" for k, v in TIMEOUTS.items())]
     for (name, cpus, roles), ip in zip(hosts, ips, strict=True):
         lines += ["[[hosts]]", f'name = "{name}"', f'ip = "{ip}"', f"cpus = {cpus}",

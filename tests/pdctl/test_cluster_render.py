@@ -25,6 +25,8 @@ path = "/models/qwen"
 [proxy]
 host = "a"
 policy = "least_outstanding"
+split = "never"
+itl_slo_ms = 30
 [[hosts]]
 name = "a"
 ip = "10.0.0.11"
@@ -126,6 +128,7 @@ def test_host_with_two_p_one_d_and_the_proxy(cluster, pdctl):
     assert [n.url for n in proxy.decode] == ["http://10.0.0.11:8020", "http://10.0.0.12:8020",
                                              "http://10.0.0.12:8021"]
     assert proxy.policy == "least_outstanding"
+    assert (proxy.split, proxy.itl_slo_ms) == ("never", 30)
     assert set(s["proxy"]["depends_on"]) == set(s) - {"proxy"}
 
 

@@ -131,6 +131,7 @@ def test_default_rdma_host(render):
     assert settings.backend_api_key == (out / "keys/api-key").read_text().strip()
     assert settings.bootstrap_token == (out / "keys/bootstrap-token").read_text().strip()
     assert settings.side_channel_key_file == f"{out}/keys/side-channel.key"
+    assert (settings.split, settings.itl_slo_ms) == ("auto", None)  # the default placement
     for name in ("api-key", "bootstrap-token", "side-channel.key"):
         assert (out / "keys" / name).stat().st_mode & 0o777 == 0o600
     assert (out / "keys").stat().st_mode & 0o777 == 0o700
@@ -161,6 +162,10 @@ project = "edge-1"
 bind = "10.0.0.11"
 shm_size = "8g"
 restart = "always"
+
+[proxy]
+split = "always"
+itl_slo_ms = 50
 """
     toml = toml.replace('path = "/models/qwen"\n', '''path = "/models/qwen"
 served_name = "qwen3:8b"
@@ -193,6 +198,7 @@ decode_extra_args = ["--max-num-seqs", "64"]
     settings = load_settings(s["proxy"]["command"][3:], environ={})
     assert (settings.host, settings.port) == ("10.0.0.11", 9000)
     assert settings.prefill[0].url == "http://10.0.0.11:9010"
+    assert (settings.split, settings.itl_slo_ms) == ("always", 50)
     assert s["proxy"]["healthcheck"]["test"][-1] == "http://10.0.0.11:9000/health"
 
 
@@ -244,6 +250,13 @@ def test_render_refuses_a_bad_config(pdctl, write_config):
     res = pdctl("render", "--config", str(path))
     assert res.exit_code == 2 and "GPU 9 does not exist" in res.stderr
     assert not (path.parent / ".env").exists()
+
+
+def test_render_refuses_a_bad_split_in_one_line(pdctl, write_config):
+    path = write_config(GOOD_TOML + '\n[proxy]\nsplit = "sometimes"\n')
+    res = pdctl("render", "--config", str(path))
+    assert res.exit_code == 2 and "proxy.split" in res.stderr, res.stderr
+    assert len([ln for ln in res.stderr.splitlines() if "proxy.split" in ln]) == 1
 
 
 def test_compose_rejects_a_missing_required_value(render):

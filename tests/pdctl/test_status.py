@@ -61,6 +61,10 @@ def test_healthy_node(status, node):
     assert counters["decode.received"] == 40 and counters["decode.receive_failures"] == 1
     assert counters["requests_ok"] == 0 and counters["fallbacks"] == 0
     assert "running 1, waiting 0" in by_name["prefill"]["detail"]
+    # The proxy's placement (appliance.proxy.placement), its default policy.
+    assert body["split"] == {"policy": "auto", "last_minute": {"remote": 0, "local": 0}}
+    assert by_name["proxy"]["detail"].endswith(
+        "split auto, last minute: 0 remote (P then D), 0 local (D alone)")
 
 
 def test_table_output(pdctl, write_config, node, docker):
