@@ -100,9 +100,10 @@ def plain_setup(model: Path, log_dir: Path) -> Setup:
 
 def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                cpu_push_delay_ms: float | None = None, name: str | None = None,
-               code: Path | None = None) -> Setup:
+               code: Path | None = None, extra: dict | None = None) -> Setup:
     """`code`: a checkout whose appliance package the setup's processes import instead
-    (ours at another commit, for a before/after in one run)."""
+    (ours at another commit, for a before/after in one run); `extra`: more of the
+    connector's settings."""
     env = {"PYTHONPATH": str(code)} if code is not None else None
     bport, pport, dport = free_port(), free_port(), free_port()
     if name is None:
@@ -121,7 +122,8 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                                               "protocol": "tcp", "host": "127.0.0.1",
                                               "early_push": early_push,
                                               **({"cpu_push_delay_ms": cpu_push_delay_ms}
-                                                 if cpu_push_delay_ms is not None else {})}}
+                                                 if cpu_push_delay_ms is not None else {}),
+                                              **(extra or {})}}
     services = [boot, serve(f"{name}-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0"),
                             env),
                 serve(f"{name}-d", model, dport, (1,), log_dir, cfg("kv_consumer", "d0"), env)]

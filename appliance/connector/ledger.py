@@ -4,15 +4,15 @@ transfer, and the one place a transfer's blocks go back to vLLM (seeds steps 31-
 Each P request's KV has one owner at a time: vLLM's scheduler until the request finishes,
 then this ledger (`by_req`) until the transfer is settled, then vLLM again, told through
 `take_finished`. Runs on the side-channel loop; `take_finished` is also read from vLLM's
-worker thread, hence its lock.
+worker thread (appliance.connector.reports).
 """
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 
 from appliance.connector.outgoing import Outgoing
+from appliance.connector.reports import Reports
 
 # How many finished transfer ids are remembered to reject a transfer_id seen twice.
 _SEEN_IDS = 65536
@@ -23,14 +23,12 @@ class Ledger:
         self.by_transfer: dict[str, Outgoing] = {}
         self.by_req: dict[str, Outgoing] = {}
         self._seen: OrderedDict[str, str] = OrderedDict()  # finished transfer id -> outcome
-        self._finished: set[str] = set()
-        self._finished_lock = threading.Lock()
+        self._reports = Reports()
 
     def take_finished(self) -> set[str]:
-        """Prefill requests whose blocks vLLM may free now (finished_sending)."""
-        with self._finished_lock:
-            done, self._finished = self._finished, set()
-        return done
+        """Prefill requests whose blocks vLLM may free now (finished_sending). Never waits:
+        P's held KV is pulled within moments, and a wait would delay P's next prefill."""
+        return self._reports.take()[0]
 
     def _settle(self, t: Outgoing) -> None:
         """A transfer reached a terminal state: free its blocks if the scheduler is done."""
@@ -54,8 +52,7 @@ class Ledger:
                 self._report(t.p_req_id)
 
     def _report(self, req_id: str) -> None:
-        with self._finished_lock:
-            self._finished.add(req_id)
+        self._reports.add(req_id)
 
     def _remember(self, transfer_id: str, outcome: str) -> None:
         self._seen[transfer_id] = outcome

@@ -51,6 +51,9 @@ class PDConnectorMetadata(KVConnectorMetadata):
     # Producer: transfer ids no decode node will ask for (the request stopped at its first
     # token and the proxy answers from P alone): free their blocks without waiting.
     released_sends: set[str] = field(default_factory=set)
+    # This step schedules no tokens: the engine only waits (on D, for KV). The worker may
+    # then wait a little for a pull to end instead of returning at once (reports module).
+    idle: bool = False
     # Consumer: new pulls, req_id -> spec (step 18).
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     # Consumer: requests aborted while waiting for remote KV, req_id -> transfer_id.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ from appliance.connector import messages as m
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
 from appliance.connector.peers import Peer, Peers
 from appliance.connector.plan import PlanError, Region
+from appliance.connector.reports import Reports
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.state import Transfer, TransferState
 from appliance.connector.stats import TransferStats
@@ -81,9 +81,7 @@ class Receiver:
         self._engines: dict[tuple[str, str], dict[int, str]] = {}
         self._tp_sizes: dict[tuple[str, str], int] = {}
         self._lookups: dict[tuple[str, str], asyncio.Future] = {}
-        self._finished: set[str] = set()
-        self._failed: set[str] = set()
-        self._lock = threading.Lock()
+        self._reports = Reports()
         self._tasks = [asyncio.create_task(self._deadline_loop())]
 
     # --- calls from vLLM's worker thread (via the loop) ------------------------------------
@@ -112,12 +110,10 @@ class Receiver:
     def on_release(self, spec: ReleaseSpec) -> None:
         asyncio.create_task(self._release(spec))
 
-    def take_results(self) -> tuple[set[str], set[str]]:
-        """(finished, failed) request ids since the last call; failed is a subset."""
-        with self._lock:
-            done, failed = self._finished, self._failed
-            self._finished, self._failed = set(), set()
-        return done, failed
+    def take_results(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids since the last call; failed is a subset. Waits up
+        to `wait_s` for one when there is none and a pull is in flight."""
+        return self._reports.take(wait_s if self.incoming else 0.0)
 
     # --- seeds steps 20-21 ----------------------------------------------------------------
 
@@ -388,10 +384,7 @@ class Receiver:
         self._report(inc.d_req_id, ok)
 
     def _report(self, req_id: str, ok: bool) -> None:
-        with self._lock:
-            self._finished.add(req_id)
-            if not ok:
-                self._failed.add(req_id)
+        self._reports.add(req_id, ok)
 
     async def close(self) -> None:
         for task in self._tasks:

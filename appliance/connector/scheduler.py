@@ -143,6 +143,7 @@ class PDScheduler:
         if self.settings.is_producer:
             self._mark_ready_sends(scheduler_output)
         meta, self._meta = self._meta, PDConnectorMetadata()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def request_finished(self, request: Request,

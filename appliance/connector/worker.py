@@ -189,6 +189,7 @@ class PDWorker:
         self.side: Any = None
         self._device: Any = None
         self._ready = ReadySends()
+        self._idle = False  # this step computes nothing (PDConnectorMetadata.idle)
         self._preemptions_seen: PDConnectorMetadata | None = None
         log.info("%s worker tp %d/%d: Mooncake %s session %s", settings.role, self.tp_rank,
                  self.tp_size, settings.protocol, self.transport.session_id)
@@ -283,6 +284,7 @@ class PDWorker:
             if meta.released_sends:  # after on_ready and on_finished, in loop order
                 self.loop.call(self.side.on_released, set(meta.released_sends))
             return
+        self._idle = meta.idle
         for req_id, spec in meta.recvs.items():  # seeds step 19
             self.loop.call(self.side.on_recv, req_id, spec)
         for req_id, transfer_id in meta.cancelled_recvs.items():
@@ -324,7 +326,9 @@ class PDWorker:
             return set(), set(), set()
         if self.settings.is_producer:
             return self.side.take_finished(), set(), set()
-        done, failed = self.side.take_results()
+        wait = self.settings.idle_wait_ms / 1000 if self._idle else 0.0
+        self._idle = False  # once per step
+        done, failed = self.side.take_results(wait)
         return set(), done, failed
 
     def get_stats(self) -> PDConnectorStats | None:
