@@ -91,12 +91,31 @@ async def split_ttft(setup: Setup, tokens: int, seed: int) -> float:
         return time.monotonic() - started
 
 
+async def decode_tps(setup: Setup, streams: int, tokens: int, seed: int) -> float:
+    """Output tokens per second of `streams` concurrent requests on D alone (no KV to
+    wait for): what a shorter spin between vLLM's processes may cost a busy engine."""
+    assert setup.decode_url
+
+    async def one(http: aiohttp.ClientSession, i: int) -> None:
+        async with http.post(setup.decode_url + COMPLETIONS, json={
+                "model": SERVED, "prompt": token_prompt(32, seed + i), "max_tokens": tokens,
+                "ignore_eos": True, "temperature": 0}) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+
+    async with aiohttp.ClientSession() as http:
+        started = time.monotonic()
+        await asyncio.gather(*(one(http, i) for i in range(streams)))
+        return streams * tokens / (time.monotonic() - started)
+
+
 async def run(args: argparse.Namespace) -> None:
     model = tinymodel.build(ROOT / ".cache" / "models" / "tiny", "tiny")
     setups = [ours_setup(model, args.log_dir, name=f"wait{w:g}", extra={"idle_wait_ms": w})
               for w in args.waits]
     cpu: dict[str, list[float]] = {s.name: [] for s in setups}
     ttft: dict[tuple[str, int], list[float]] = {}
+    tps: dict[str, list[float]] = {s.name: [] for s in setups}
     started: list[Setup] = []
     try:
         for s in setups:
@@ -109,6 +128,9 @@ async def run(args: argparse.Namespace) -> None:
                 console.log(f"round {rnd + 1} {s.name}: D waiting uses "
                             f"{cpu[s.name][-1]:.0%} of a core")
         for i in range(args.repeats):
+            for s in setups if i % 2 == 0 else reversed(setups):
+                time.sleep(SETTLE_S)
+                tps[s.name].append(await decode_tps(s, 8, 48, seed=50_000 + 100 * i))
             for size in args.sizes:
                 for s in setups if i % 2 == 0 else reversed(setups):
                     time.sleep(SETTLE_S)
@@ -126,7 +148,8 @@ async def run(args: argparse.Namespace) -> None:
         table.add_column(s.name, justify="right")
     for s in setups[1:]:
         table.add_column(f"{s.name} / {base}", justify="right")
-    rows = {"D's core while waiting": {n: statistics.median(v) for n, v in cpu.items()}}
+    rows = {"D's core while waiting": {n: statistics.median(v) for n, v in cpu.items()},
+            "decode tokens/s, 8 streams": {n: statistics.median(v) for n, v in tps.items()}}
     for size in args.sizes:
         rows[f"TTFT ms, {size} tokens"] = {
             s.name: statistics.median(ttft[(s.name, size)]) * 1000 for s in setups}

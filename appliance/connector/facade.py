@@ -46,6 +46,10 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         groups = kv_groups(kv_cache_config)
         self.scheduler = None
         self.worker = None
+        if not self.settings.is_producer and self.settings.idle_wait_ms > 0:
+            from appliance.connector import engine_wait
+
+            engine_wait.install()  # both processes: engine core (scheduler) and worker
         if role == KVConnectorRole.SCHEDULER:
             from appliance.connector.scheduler import PDScheduler
 

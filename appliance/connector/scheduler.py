@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from appliance.connector import engine_wait
 from appliance.connector.groups import KVGroup, needed_blocks
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
 from appliance.connector.settings import ConnectorSettings
@@ -143,7 +144,9 @@ class PDScheduler:
         if self.settings.is_producer:
             self._mark_ready_sends(scheduler_output)
         meta, self._meta = self._meta, PDConnectorMetadata()
-        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta.idle = not scheduler_output.num_scheduled_tokens
+        if not self.settings.is_producer:
+            engine_wait.idle_step(meta.idle)  # this process waits for the worker's answer
         return meta
 
     def request_finished(self, request: Request,

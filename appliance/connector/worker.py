@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from appliance.connector import engine_wait
 from appliance.connector.cpu_features import enable_amx
 from appliance.connector.groups import layer_groups
 from appliance.connector.loop import LoopThread
@@ -285,6 +286,7 @@ class PDWorker:
                 self.loop.call(self.side.on_released, set(meta.released_sends))
             return
         self._idle = meta.idle
+        engine_wait.idle_step(meta.idle)  # and for the next step after this one
         for req_id, spec in meta.recvs.items():  # seeds step 19
             self.loop.call(self.side.on_recv, req_id, spec)
         for req_id, transfer_id in meta.cancelled_recvs.items():

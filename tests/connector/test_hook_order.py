@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
+from appliance.connector import engine_wait
 from appliance.connector.facade import PDConnector
 from appliance.connector.loop import LoopThread
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec
@@ -43,6 +44,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.lock = threading.Lock()
+        self.waits: list[float] = []  # the wait each take_results was allowed
 
     def _add(self, *call) -> None:
         with self.lock:
@@ -75,7 +77,8 @@ class Recorder:
     def on_release(self, spec) -> None:
         self._add("release", spec.transfer_id)
 
-    def take_results(self):
+    def take_results(self, wait_s: float = 0.0):
+        self.waits.append(wait_s)
         return set(), set()
 
 
@@ -88,6 +91,7 @@ def connector(role: str, **settings) -> PDConnector:
     w._device = None  # KV in CPU memory
     w._ready = ReadySends()
     w._preemptions_seen = None
+    w._idle = False
     c = PDConnector.__new__(PDConnector)
     c._connector_metadata = None
     c.worker, c.scheduler = w, None
@@ -200,3 +204,18 @@ def test_consumer_in_each_runners_order(runner) -> None:
         assert seen == [("recv", "d1"), ("cancel", "d1")]
     finally:
         c.worker.loop.stop()
+
+
+def test_only_a_step_that_computes_nothing_waits_for_a_pull(runner) -> None:
+    """D's engine only waiting for KV: the worker may wait idle_wait_ms for a pull's end
+    (engine_wait); a step with tokens returns at once, whatever came before it."""
+    c = connector("consumer", idle_wait_ms=25)
+    step = Step(c)
+    try:
+        step.run(runner[1], PDConnectorMetadata(idle=True))
+        step.run(runner[0], PDConnectorMetadata())
+        step.run(runner[1], PDConnectorMetadata(idle=True))
+        assert c.worker.side.waits == [0.025, 0.0, 0.025]
+    finally:
+        c.worker.loop.stop()
+        engine_wait.idle_step(False)

@@ -152,3 +152,35 @@ async def test_z_transfer_metrics_exported(pd_node):
 async def test_zz_no_blocks_left_held(pd_node):
     """After every test above: neither side holds KV blocks (no leak on any path)."""
     await wait_no_blocks_held(pd_node)
+
+
+def _pulled_blocks(node, transfer_id: str) -> int:
+    """Blocks D pulled for a transfer, from its 'received' log line."""
+    for line in log_text(node.decode.log_path).splitlines():
+        if f"transfer={transfer_id} " in line and "received d_req=" in line:
+            return int(re.search(r"blocks=(\d+)", line).group(1))
+    raise AssertionError(f"no received line for {transfer_id}")
+
+
+async def test_a_conversations_next_turn_pulls_only_what_d_lacks(pd_node, plain_server):
+    """D keeps the KV it received and the tokens it decoded in its prefix cache: the next
+    turn, whose prompt is the last one plus the answer plus a new message, pulls from P only
+    the blocks past D's prefix hit. Both answers are a plain server's."""
+    turn1 = token_prompt(200, seed=41)
+    body1 = completion(turn1, max_tokens=40)
+    want1 = tokens_of(await plain_request(plain_server, "/v1/completions", body1))
+    got1, _ = await pd_request(pd_node, "/v1/completions", body1, transfer_id="xfer-turn-1")
+    assert tokens_of(got1) == want1
+    turn2 = turn1 + want1 + token_prompt(60, seed=42)
+    body2 = completion(turn2, max_tokens=8)
+    want2 = tokens_of(await plain_request(plain_server, "/v1/completions", body2))
+    hits = metric(pd_node.spec.decode_url, "vllm:prefix_cache_hits_total")
+    got2, _ = await pd_request(pd_node, "/v1/completions", body2, transfer_id="xfer-turn-2")
+    assert tokens_of(got2) == want2
+    assert _pulled_blocks(pd_node, "xfer-turn-1") == -(-len(turn1) // BLOCK)  # all 7
+    # Turn 1's 239 computed tokens fill 7 blocks on D: of turn 2's 10, 3 come from P.
+    cached = (len(turn1) + len(want1) - 1) // BLOCK
+    assert _pulled_blocks(pd_node, "xfer-turn-2") == -(-len(turn2) // BLOCK) - cached
+    assert metric(pd_node.spec.decode_url, "vllm:prefix_cache_hits_total") - hits \
+        == cached * BLOCK
+    await wait_no_blocks_held(pd_node, within=60)
