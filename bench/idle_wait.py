@@ -165,7 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--waits", type=lambda v: [float(x) for x in v.split(",")],
-                        default=[0.0, 10.0])
+                        default=[0.0, 20.0])
     parser.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")],
                         default=[128, 1024])
     parser.add_argument("--repeats", type=int, default=8)

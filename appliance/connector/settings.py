@@ -67,7 +67,7 @@ class ConnectorSettings(BaseModel):
     # long for a pull to end, instead of vLLM stepping again after 1 ms: a D that only waits
     # sleeps rather than spinning a core. A pull's end wakes it at once; a new request that
     # arrives meanwhile waits at most this long. 0: no wait.
-    idle_wait_ms: float = Field(10.0, ge=0, le=1000)
+    idle_wait_ms: float = Field(20.0, ge=0, le=1000)
     # Consumer: how long an aborted request's blocks stay held while the producer confirms
     # it will not write into them any more.
     cancel_grace_s: float = Field(5.0, gt=0)

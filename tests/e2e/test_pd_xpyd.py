@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow,
                                  reason="needs root and iproute2")]
 
 # Each topology: hosts (name, its CPU count, its instances), the proxy on the last one. The
-# machine has two cores: P and D never share one (D spins while it waits for KV).
+# machine has two cores: P and D never share one.
 TOPOLOGIES = {
     "2p1d": [("p0", 1, {"prefill": [[0]]}), ("p1", 1, {"prefill": [[0]]}),
              ("d0", 2, {"decode": [[1]]})],
