@@ -3,7 +3,7 @@ proxy, placing requests by `split=always` and by `split=auto`, and against one p
 server given the same two cores, in one run: request throughput, TTFT, TPOT and ITL at p50
 and p99, and where `auto` placed the requests.
 
-    .venv/bin/python bench/serve.py [--workloads tiny,mixed,prefix] [--rounds 2] [--quick]
+    .venv/bin/python bench/serve.py [--workloads tiny,mixed,prefix,chat] [--rounds 2] [--quick]
 
 Workloads (vLLM's datasets, the model's own tokenizer):
 - tiny: the tiny model, short prompts (64-192 tokens) and outputs, a closed loop of 8
@@ -12,7 +12,9 @@ Workloads (vLLM's datasets, the model's own tokenizer):
   a steady arrival rate, so long prefills land among running decodes. There a plain
   server's decode steps wait behind each prefill (its ITL p99 spikes) while the
   appliance's D only decodes;
-- prefix: the larger-KV model, prompts sharing long prefixes (vLLM's prefix_repetition).
+- prefix: the larger-KV model, prompts sharing long prefixes (vLLM's prefix_repetition);
+- chat: the larger-KV model, 8 conversations of 4 turns in flight, each turn the whole
+  conversation so far plus a new message (bench/multiturn.py).
 
 Each appliance setup is P on CPU 0 and D on CPU 1 behind its own proxy (its own servers:
 shared ones would see each prompt twice, a prefix-cache hit); the plain server has both
@@ -40,6 +42,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import multiturn  # noqa: E402
 from ttft import SERVED, SETTLE_S, Setup, appliance_setup, serve  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
@@ -69,6 +72,8 @@ WORKLOADS = {
         "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes", "4",
         "--prefix-repetition-output-len", "32", "--num-prompts", "32",
         "--max-concurrency", "8")),
+    "chat": Workload("chat", "kvbench", ("multiturn: 8 conversations x 4 turns, 512 + 96 per "
+                                         "turn prompt tokens, 32 out",)),
 }
 SETUPS = ("always", "auto")
 
@@ -81,6 +86,8 @@ def plain_setup(model: Path, log_dir: Path) -> Setup:
 
 def bench_serve(url: str, model: Path, work: Workload, seed: int, out: Path,
                 quick: bool) -> dict:
+    if work.name == "chat":
+        return multiturn.run(url, SERVED, seed, quick=quick)
     args = list(work.args)
     if quick:  # a smoke run: a quarter of the prompts
         i = args.index("--num-prompts")
@@ -124,7 +131,7 @@ def decisions(url: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="tiny,mixed,prefix")
+    parser.add_argument("--workloads", default="tiny,mixed,prefix,chat")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a quarter of the prompts")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-serve"))
