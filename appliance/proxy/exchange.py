@@ -164,6 +164,8 @@ class Exchange:
                               p: PrefillBackend, d: Backend,
                               error: UpstreamError) -> web.StreamResponse:
         """P unreachable or timed out: D alone if allowed, else 503."""
+        if rec.ticket is not None:  # P's leg is over: its prompt leaves P's queue
+            rec.ticket.close(time.monotonic(), learn=False)
         self.metrics.upstream_errors.labels("prefill", p.url, error.kind).inc()
         if error.kind == "connect":
             self.backends.mark_failed(p, str(error))

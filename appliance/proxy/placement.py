@@ -12,8 +12,10 @@ running decodes past the ITL budget. What `auto` weighs (appliance.proxy.costmod
   character the engines' usage counts showed);
 - the prefill work already sent to P and to D and not done yet (tokens), so a backed-up P
   sends new requests to D, and a D busy prefilling sends them to P;
-- per node, seconds as a line in (work ahead + own tokens), fitted from P's answer times
-  and D's first tokens on local streams (D borrows P's line until it has its own);
+- prefill seconds as one line in (work ahead in the node's queue + own tokens), fitted
+  from P's answer times and D's first tokens on local streams: P and D run one model, so
+  their samples are pooled, and what tells them apart is the work queued on each (two
+  lines from a few noisy samples each would decide an idle node by noise);
 - the handoff (transfer + D's first step): D's first token after P's answer;
 - the ITL budget: `itl_slo_ms`, or 3x D's unstalled time per streamed token.
 
@@ -169,19 +171,13 @@ class Placement:
     def __init__(self, split: Split, itl_slo_ms: float | None) -> None:
         self.split = split
         self.itl_slo_s = None if itl_slo_ms is None else itl_slo_ms / 1000
-        self.prefill: dict[str, Linear] = {}  # per node URL: P's and D's own prefills
+        self.prefill = Linear()  # P's and D's prefills, pooled (see the module's doc)
         self.handoff = Linear()  # P's answer -> D's first token, in the prompt's tokens
         self.steps = StepTimes()
         self.tokens_per_char = {route: TokensPerChar() for route in ("chat", "completions")}
         self.counts: dict[tuple[str, str], int] = {}
         self._recent = _Recent()
         self._queues: dict[str, dict[Ticket, None]] = {}  # per node URL, oldest first
-
-    def _model(self, b: Backend) -> Linear:
-        m = self.prefill.get(b.url)
-        if m is None:
-            m = self.prefill[b.url] = Linear()
-        return m
 
     def tokens(self, body: dict[str, Any], route: str) -> tuple[int, int]:
         """(estimated prompt tokens, characters of prompt text)."""
@@ -190,8 +186,7 @@ class Placement:
         return max(1, ids + round(chars * ratio)), chars
 
     def forget(self, url: str) -> None:
-        """A node dropped (it left and holds nothing): its measurements go with it."""
-        self.prefill.pop(url, None)
+        """A node dropped (it left and holds nothing): its queue goes with it."""
         self._queues.pop(url, None)
 
     def itl_budget_s(self) -> float | None:
@@ -207,16 +202,13 @@ class Placement:
         return now - next(iter(queue)).sent if queue else 0.0
 
     def estimates(self, tokens: int, p: Backend, d: Backend, now: float) -> Estimates:
-        p_model, d_model = self._model(p), self._model(d)
-        p_line = p_model.predict(p.prefill_tokens + tokens)
+        p_line = self.prefill.predict(p.prefill_tokens + tokens)
         remote = None
         if p_line is not None:
             # Until a stream has timed it, the handoff counts as free (remote's best case).
             handoff = self.handoff.predict(tokens) or 0.0
             remote = max(p_line, self._waited(p, now)) + handoff
-        # D computes like P (same model, usually the same hardware) until it has measured
-        # its own local prefills, which include what its decodes cost them.
-        d_line = (d_model if d_model.samples else p_model).predict(d.prefill_tokens + tokens)
+        d_line = self.prefill.predict(d.prefill_tokens + tokens)
         local = None if d_line is None else max(d_line, self._waited(d, now))
         # The request being placed is counted in D's in_flight already (admission).
         return Estimates(tokens, remote, local, max(0, d.in_flight - 1), self.itl_budget_s())
@@ -235,7 +227,7 @@ class Placement:
         self._recent.add(decision.where, now)
         node = d if decision.local else p
         queue = self._queues.setdefault(node.url, {})
-        ticket = Ticket(node, self._model(node), tokens, node.prefill_tokens, now, queue)
+        ticket = Ticket(node, self.prefill, tokens, node.prefill_tokens, now, queue)
         queue[ticket] = None
         node.prefill_tokens += tokens
         return decision, ticket, chars
@@ -258,6 +250,6 @@ class Placement:
             "policy": self.split,
             "last_minute": self._recent.totals(now),
             "itl_budget_ms": None if (b := self.itl_budget_s()) is None else round(b * 1000, 3),
-            "prefill": {url: m.describe() for url, m in sorted(self.prefill.items())},
+            "prefill": self.prefill.describe(),
             "handoff": self.handoff.describe(),
         }
