@@ -173,12 +173,20 @@ def test_up_reports_every_container_healthy_with_timings(engine, node):
 
 def test_greedy_output_through_containers_equals_a_plain_server(engine, node, expected):
     before = status(engine, node)["counters"].get("decode.received", 0)
+    remote = remote_decisions(node["proxy"])
     got = [answer(node["proxy"], path, body) for path, body in requests_to_check()]
     assert got == expected
-    after = status(engine, node)["counters"]
-    # D used P's KV: one pull per request, none failed.
-    assert after["decode.received"] - before == len(expected)
+    # The default split is auto: the proxy's first request goes to P (nothing measured
+    # yet), then an idle node answers by D alone; D used P's KV for each one placed
+    # remote, none failed, and pdctl status shows the split.
+    remote = remote_decisions(node["proxy"]) - remote
+    assert remote >= 1
+    st = status(engine, node)
+    after = st["counters"]
+    assert after["decode.received"] - before == remote
     assert after.get("decode.receive_failures", 0) == 0
+    assert st["split"]["policy"] == "auto"
+    assert sum(st["split"]["last_minute"].values()) >= len(expected)
 
 
 def test_nothing_listens_on_a_wildcard_but_the_proxy_and_mooncake(engine, node):
