@@ -46,8 +46,11 @@ decode = [[0], [1]]
 @pytest.fixture
 def cluster(tmp_path: Path):
     servers = Servers()
-    ports = {name: free_port() for name in ("proxy", "prefill", "decode", "bootstrap")}
-    ports["decode"] = free_port()  # b's decode-0 and decode-1 take it and the next
+    while True:  # free ports are not reserved: one may come back twice
+        ports = {name: free_port() for name in ("proxy", "prefill", "decode", "bootstrap")}
+        # b's decode-0 and decode-1 take ports["decode"] and the next
+        if len({*ports.values(), ports["decode"] + 1}) == 5:
+            break
     path = tmp_path / "cluster.toml"
     path.write_text(_description(ports))
     plan = load_cluster(path).plan()

@@ -153,7 +153,9 @@ def test_up_local_serves_like_a_plain_server_and_down_leaves_nothing(plain_serve
                            if c.choices)
         assert streamed == want
 
-        # status: every service healthy, exit 0; P's KV really moved
+        # status: every service healthy, exit 0; P's KV really moved for what was placed
+        # remote (the default split is auto: the first request goes to P, nothing is
+        # measured yet; then an idle node is answered by D alone)
         res = subprocess.run([PDCTL, "status", "--run-dir", str(node.run_dir), "--json"],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stdout + res.stderr
@@ -162,7 +164,11 @@ def test_up_local_serves_like_a_plain_server_and_down_leaves_nothing(plain_serve
         assert [s["name"] for s in status["services"] if s["running"] and s["healthy"]] == \
             ["bootstrap", "prefill", "decode", "proxy"]
         assert status["engine_ids"] == ["prefill-0"]
-        assert status["counters"].get("prefill.transfers", 0) >= 5, status["counters"]
+        split = status["split"]
+        assert split["policy"] == "auto" and split["last_minute"]["remote"] >= 1, split
+        assert sum(split["last_minute"].values()) >= 5, split
+        assert status["counters"].get("prefill.transfers", 0) >= \
+            split["last_minute"]["remote"], (status["counters"], split)
         # Five requests went through; the proxy (at the time of writing) counts a stream whose
         # client hangs up right after [DONE] as 499, so only their total is pinned here.
         counters = status["counters"]
