@@ -145,7 +145,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker is not None
-        sending, recving, failed = self.worker.get_transfer_results()
+        meta = self._connector_metadata  # this step's, bound until after this call
+        idle = isinstance(meta, PDConnectorMetadata) and meta.idle
+        sending, recving, failed = self.worker.get_transfer_results(idle)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 

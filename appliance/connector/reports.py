@@ -1,11 +1,11 @@
 """What the worker tells vLLM at its next step: request ids whose transfer is over (and,
 on D, which of them failed). Filled on the side-channel loop, taken on vLLM's thread.
 
-A step that computes nothing (D only waiting for KV, P only waiting for pulls) may wait a
-little for the next report instead of returning at once: vLLM's engine loop steps again
-after a 1 ms nap whenever requests wait on a connector, so without this a D that only
-waits spins most of a core. A report wakes the wait at once, so no transfer is reported
-later; what a wait can delay is a new request arriving meanwhile, by at most the wait.
+On D, a step that computes nothing (the engine only waits for KV) may wait a little for
+the next report instead of returning at once (appliance.connector.engine_wait): vLLM's
+engine loop steps again after a 1 ms nap whenever requests wait on a connector. A report
+wakes the wait at once, so no transfer is reported later; what a wait can delay is a new
+request arriving meanwhile, by at most the wait.
 """
 
 from __future__ import annotations

@@ -190,7 +190,6 @@ class PDWorker:
         self.side: Any = None
         self._device: Any = None
         self._ready = ReadySends()
-        self._idle = False  # this step computes nothing (PDConnectorMetadata.idle)
         self._preemptions_seen: PDConnectorMetadata | None = None
         log.info("%s worker tp %d/%d: Mooncake %s session %s", settings.role, self.tp_rank,
                  self.tp_size, settings.protocol, self.transport.session_id)
@@ -285,7 +284,6 @@ class PDWorker:
             if meta.released_sends:  # after on_ready and on_finished, in loop order
                 self.loop.call(self.side.on_released, set(meta.released_sends))
             return
-        self._idle = meta.idle
         engine_wait.idle_step(meta.idle)  # and for the next step after this one
         for req_id, spec in meta.recvs.items():  # seeds step 19
             self.loop.call(self.side.on_recv, req_id, spec)
@@ -322,14 +320,14 @@ class PDWorker:
         for req_id, transfer_id, block_ids in items:
             self.loop.call(self.side.on_ready, req_id, transfer_id, block_ids, fence)
 
-    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving)."""
+    def get_transfer_results(self, idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving); `idle`: this step computes
+        nothing, so D may wait idle_wait_ms for a pull to end."""
         if self.side is None:
             return set(), set(), set()
         if self.settings.is_producer:
             return self.side.take_finished(), set(), set()
-        wait = self.settings.idle_wait_ms / 1000 if self._idle else 0.0
-        self._idle = False  # once per step
+        wait = self.settings.idle_wait_ms / 1000 if idle else 0.0
         done, failed = self.side.take_results(wait)
         return set(), done, failed
 

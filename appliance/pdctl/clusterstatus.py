@@ -13,7 +13,14 @@ from rich.console import Console
 from rich.table import Table
 
 from appliance.pdctl.cluster import ClusterPlan
-from appliance.pdctl.status import Reply, counters, fetch, metric_samples, split_summary
+from appliance.pdctl.status import (
+    Reply,
+    counters,
+    fetch,
+    metric_samples,
+    proxy_split,
+    split_summary,
+)
 
 # The transfer counters each instance shows (appliance/connector/stats.py), and the ones
 # that mean KV did not move: D then recomputes the prompt (kv_load_failure_policy), so the
@@ -91,10 +98,7 @@ def gather(plan: ClusterPlan, headers: Mapping[str, str] | None = None,
     answer = reply.json() if ok else None
     if not isinstance(answer, dict):
         return status
-    split = answer.get("split")
-    if isinstance(split, dict):
-        status.split = {"policy": split.get("policy"),
-                        "last_minute": split.get("last_minute") or {}}
+    status.split = proxy_split(answer)
     listed = {b.get("url"): bool(b.get("in_rotation"))
               for role in ("prefill", "decode") for b in answer.get(role) or []
               if isinstance(b, dict)}

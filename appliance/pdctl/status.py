@@ -213,10 +213,7 @@ def _proxy_details(status: NodeStatus, svc: ServiceStatus, url: str, timeout: fl
     body = fetch(f"{url}/status", timeout, auth).json()
     if isinstance(body, dict):
         status.in_flight = body.get("in_flight")
-        split = body.get("split")
-        if isinstance(split, dict):
-            status.split = {"policy": split.get("policy"),
-                            "last_minute": split.get("last_minute") or {}}
+        status.split = proxy_split(body)
         for role in ("prefill", "decode"):
             for b in body.get(role) or []:
                 status.backends.append({"role": role, **b})
@@ -236,6 +233,14 @@ def _proxy_details(status: NodeStatus, svc: ServiceStatus, url: str, timeout: fl
                   f"{total['decode']} in rotation; in flight {status.in_flight or 0}")
     if status.split is not None:
         svc.detail += "; " + split_summary(status.split)
+
+
+def proxy_split(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The placement part of the proxy's /status: policy and the last minute's counts."""
+    split = body.get("split")
+    if not isinstance(split, dict):
+        return None
+    return {"policy": split.get("policy"), "last_minute": split.get("last_minute") or {}}
 
 
 def split_summary(split: Mapping[str, Any]) -> str:

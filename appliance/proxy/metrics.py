@@ -68,7 +68,7 @@ class _HotPath(Collector):
             "pd_proxy_split_decisions",
             "Where requests were prefilled (adaptive disaggregation), by decision (remote: "
             "P, then its KV to D; local: D alone) and reason (policy, unmeasured, "
-            "itl_budget, sooner)", labels=["decision", "reason"])
+            "itl_budget, backlog, sooner)", labels=["decision", "reason"])
         for (decision, reason), n in sorted(m.split_counts.items()):
             split.add_metric([decision, reason], n)
         yield split

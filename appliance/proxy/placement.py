@@ -28,14 +28,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from appliance.proxy.backends import Backend
 from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
+from appliance.proxy.settings import Split
 from appliance.proxy.split import CHAT
 
-Split = Literal["always", "never", "auto"]
-SPLITS: tuple[Split, ...] = ("always", "never", "auto")
 # Without an itl_slo_ms, a local prefill may add up to this many of D's unstalled steps.
 ITL_BUDGET_STEPS = 3.0
 RECENT_S = 60

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from appliance import keys
 from appliance.netaddr import host_port
 
+# Adaptive disaggregation's policy (appliance.proxy.placement).
+Split = Literal["always", "never", "auto"]
+
 DEFAULT_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998
 API_KEYS_ENV = "APPLIANCE_PROXY_API_KEYS"
@@ -189,7 +192,7 @@ class ProxySettings(BaseModel):
     # Adaptive disaggregation (appliance.proxy.placement): "always" splits every request
     # (P prefills, D decodes), "never" serves each by D alone, "auto" picks per request by
     # the node's measurements.
-    split: Literal["always", "never", "auto"] = "auto"
+    split: Split = "auto"
     # The most a local prefill on D may stall D's running decodes, in ms (auto); unset: 3x
     # D's measured time per token.
     itl_slo_ms: float | None = Field(None, gt=0)

@@ -91,7 +91,6 @@ def connector(role: str, **settings) -> PDConnector:
     w._device = None  # KV in CPU memory
     w._ready = ReadySends()
     w._preemptions_seen = None
-    w._idle = False
     c = PDConnector.__new__(PDConnector)
     c._connector_metadata = None
     c.worker, c.scheduler = w, None
