@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -13,10 +14,25 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Ports handed out come from below the kernel's ephemeral range (32768-60999 by default),
+# so no outgoing connection of a server under test takes one between the test picking it
+# and the server binding it; never the same one twice in a run, and 8 apart, as servers
+# given a base port (data-parallel ranks, a host's second D) also take the next few.
+_PORTS = range(20000, 32000, 8)
+_next = [(os.getpid() * 7919) % len(_PORTS)]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next[0]]
+        _next[0] = (_next[0] + 1) % len(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 @pytest.fixture(scope="session")
