@@ -244,10 +244,12 @@ def proxy_split(body: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def split_summary(split: Mapping[str, Any]) -> str:
-    """`split auto, last minute: 12 remote (P then D), 30 local (D alone)`."""
+    """`split auto, last minute: 12 remote (P then D), 30 local (D alone), 9 p_alone
+    (P alone)`."""
     last = split.get("last_minute") or {}
     return (f"split {split.get('policy')}, last minute: {last.get('remote', 0)} remote "
-            f"(P then D), {last.get('local', 0)} local (D alone)")
+            f"(P then D), {last.get('local', 0)} local (D alone), "
+            f"{last.get('p_alone', 0)} p_alone (P alone)")
 
 
 # ---- output -----------------------------------------------------------------------------

@@ -260,20 +260,32 @@ class Proxy:
             raise ProxyError(503, why)
         prefills = self.backends.ready_prefill()
         d = await self.admission.admit(self.backends.ready_decode, self.router.pick_decode)
+        serving: Backend | None = None  # the node that decodes: counted in its `decodes`
         try:
             if not prefills:
+                serving = d
+                d.decodes += 1
                 return await self.exchange.plain(request, rec, body, d, "no_prefill")
             p = self.router.pick_prefill(prefills)
             rec.placed, rec.ticket, rec.prompt_chars = self.placement.choose(
                 body, rec.route, p, d)
+            serving = p if rec.placed.on_prefill else d
+            serving.decodes += 1
+            if serving is p:  # P holds the request: drains, leaves and routing see it
+                p.in_flight += 1
+                rec.prefill = p.url
             if rec.placed.local:
-                return await self.exchange.local(request, rec, body, d)
+                return await self.exchange.local(request, rec, body, serving)
             if self.settings.first_token_from_prefill and body.get("stream") is True:
                 if first_token.ineligible(body, rec.route) is None:
                     return await self.exchange.first_token(request, rec, body, p, d)
                 self.metrics.first_token.labels("decode").inc()
             return await self.exchange.split(request, rec, body, p, d)
         finally:
+            if serving is not None:
+                serving.decodes -= 1
+                if serving is not d:
+                    serving.in_flight -= 1
             self.admission.release(d)
 
     def route_handler(self, route: str) -> Any:

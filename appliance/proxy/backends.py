@@ -32,6 +32,8 @@ class Backend:
     last_check: float | None = None  # monotonic
     # Prompt tokens sent here to prefill and not done yet (appliance.proxy.placement).
     prefill_tokens: int = 0
+    # Requests this node decodes now (placed on it, P's KV sent to it, or served whole).
+    decodes: int = 0
     # Round-robin tie breaker for least-outstanding: how many requests this node was given.
     picked: int = 0
     # A decode node's context length (from /v1/models; None until known): a continuation
@@ -67,6 +69,7 @@ class Backend:
             "leaving": self.leaving,
             "in_flight": self.in_flight,
             "prefill_tokens": self.prefill_tokens,
+            "decodes": self.decodes,
             "last_error": self.last_error,
             "last_check_age_s": None if self.last_check is None
             else round(now - self.last_check, 3),

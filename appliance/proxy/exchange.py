@@ -298,8 +298,9 @@ class Exchange:
 
     async def local(self, request: web.Request, rec: Record, body: dict[str, Any],
                     d: Backend) -> web.StreamResponse:
-        """D alone: the client's request as it is, prefilled and decoded by D. Placed so
-        (appliance.proxy.placement), or the fallback's last leg."""
+        """One node alone (D, or P placed `p_alone`): the client's request as it is,
+        prefilled and decoded there. Placed so (appliance.proxy.placement), or the
+        fallback's last leg."""
         rec.decode = d.url
         upstream = await self._send_decode(rec, d, rec.route, _encode(body))
         return await self.relay.relay(request, rec, d, upstream)

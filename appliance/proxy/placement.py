@@ -2,11 +2,15 @@
 the exchange picks a path.
 
 - `remote`: P prefills and its KV goes to D (the split and first-token paths);
-- `local`: D alone prefills and decodes; P is not called and holds nothing.
+- `local`: D alone prefills and decodes; P is not called and holds nothing;
+- `p_alone`: P alone prefills and decodes, so a node whose load is decodes uses both
+  engines for them (no KV moves, D is not called).
 
 Policy `split`: `always` (every request remote), `never` (every one local) or `auto`: the
 sooner of the two by the node's own measurements, unless a local prefill would stall D's
-running decodes past the ITL budget. What `auto` weighs (appliance.proxy.costmodel):
+running decodes past the ITL budget; P serves whole requests while D decodes more of them
+than P does and every recent prompt's prefill fits the budget (a P that is asked for long
+prefills decodes nothing, so they stall no one). What `auto` weighs (appliance.proxy.costmodel):
 
 - the prompt's tokens (exact for token-id prompts; else characters times the tokens per
   character the engines' usage counts showed);
@@ -38,6 +42,8 @@ from appliance.proxy.split import CHAT
 # Without an itl_slo_ms, a local prefill may add up to this many of D's unstalled steps.
 ITL_BUDGET_STEPS = 3.0
 RECENT_S = 60
+# P serves whole requests only while the prefills of this many latest prompts fit the budget.
+RECENT_PROMPTS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,21 +56,29 @@ class Estimates:
     # Other requests running on D: a local prefill stalls each one's decode step.
     decodes_running: int
     itl_budget_s: float | None
+    # P alone: its first token (P's prefill, no handoff), the whole requests P decodes now,
+    # and whether the prefill of every recent prompt fits the ITL budget.
+    alone_s: float | None = None
+    p_decodes: int = 0
+    p_prefills_fit: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    # No KV moves: one node serves the whole request (D, or P where on_prefill).
     local: bool
     # policy: split=always/never; unmeasured: auto has no timing of P yet (it learns);
     # itl_budget: local would stall D's decodes longer than remote delays this request;
     # backlog: it would, but P is so far behind that the request waits less on D;
-    # sooner: no decode to stall, the faster of the two.
+    # sooner: no decode to stall, the faster of the two;
+    # balance: P alone, as D decodes more requests than P and P's prefills are short.
     reason: str
     tokens: int = 0
+    on_prefill: bool = False
 
     @property
     def where(self) -> str:
-        return "local" if self.local else "remote"
+        return "p_alone" if self.on_prefill else "local" if self.local else "remote"
 
 
 def decide(split: Split, e: Estimates) -> Decision:
@@ -79,9 +93,16 @@ def decide(split: Split, e: Estimates) -> Decision:
         return Decision(True, "policy", e.tokens)
     if e.remote_s is None or e.local_s is None:
         return Decision(False, "unmeasured", e.tokens)
-    if e.decodes_running and e.local_s > (budget := e.itl_budget_s or 0.0):
+    budget = e.itl_budget_s or 0.0
+    if (e.alone_s is not None and e.p_prefills_fit and e.p_decodes < e.decodes_running
+            and e.alone_s <= max(budget, e.local_s)):
+        # D's decodes outnumber P's: P takes this one whole, no later than D would start it.
+        return Decision(True, "balance", e.tokens, on_prefill=True)
+    if e.decodes_running and e.local_s > budget:
         stall = (e.local_s - budget) * e.decodes_running
-        if e.remote_s - e.local_s > stall:
+        # Remote's prefill stalls P's decodes (whole requests P serves) likewise.
+        p_stall = max(0.0, (e.alone_s or 0.0) - budget) * e.p_decodes
+        if e.remote_s + p_stall - e.local_s > stall:
             return Decision(True, "backlog", e.tokens)
         return Decision(False, "itl_budget", e.tokens)
     return Decision(e.local_s <= e.remote_s, "sooner", e.tokens)
@@ -156,7 +177,7 @@ class _Recent:
         counts[where] = counts.get(where, 0) + 1
 
     def totals(self, now: float) -> dict[str, int]:
-        out = {"remote": 0, "local": 0}
+        out = {"remote": 0, "local": 0, "p_alone": 0}
         for second, counts in self.buckets:
             if second > int(now) - RECENT_S:
                 for k, v in counts.items():
@@ -177,6 +198,7 @@ class Placement:
         self.counts: dict[tuple[str, str], int] = {}
         self._recent = _Recent()
         self._queues: dict[str, dict[Ticket, None]] = {}  # per node URL, oldest first
+        self._prompts: deque[int] = deque(maxlen=RECENT_PROMPTS)  # latest prompts' tokens
 
     def tokens(self, body: dict[str, Any], route: str) -> tuple[int, int]:
         """(estimated prompt tokens, characters of prompt text)."""
@@ -209,22 +231,26 @@ class Placement:
             remote = max(p_line, self._waited(p, now)) + handoff
         d_line = self.prefill.predict(d.prefill_tokens + tokens)
         local = None if d_line is None else max(d_line, self._waited(d, now))
-        # The request being placed is counted in D's in_flight already (admission).
-        return Estimates(tokens, remote, local, max(0, d.in_flight - 1), self.itl_budget_s())
+        alone = None if p_line is None else max(p_line, self._waited(p, now))
+        budget = self.itl_budget_s()
+        longest = self.prefill.predict(max(tokens, *self._prompts, 0))
+        fit = budget is not None and longest is not None and longest <= budget
+        return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit)
 
     def choose(self, body: dict[str, Any], route: str, p: Backend,
                d: Backend) -> tuple[Decision, Ticket, int]:
-        """The decision, the ticket of the prefill it sends (to P for remote, to D for
-        local), and the prompt's characters."""
+        """The decision, the ticket of the prefill it sends (to D for local, else to P),
+        and the prompt's characters."""
         tokens, chars = self.tokens(body, route)
         now = time.monotonic()
         e = (self.estimates(tokens, p, d, now) if self.split == "auto"
              else Estimates(tokens, None, None, 0, None))
         decision = decide(self.split, e)
+        self._prompts.append(tokens)
         key = (decision.where, decision.reason)
         self.counts[key] = self.counts.get(key, 0) + 1
         self._recent.add(decision.where, now)
-        node = d if decision.local else p
+        node = d if decision.local and not decision.on_prefill else p
         queue = self._queues.setdefault(node.url, {})
         ticket = Ticket(node, self.prefill, tokens, node.prefill_tokens, now, queue)
         queue[ticket] = None

@@ -42,14 +42,14 @@ class Relay:
         self.backends = backends
 
     def decode_error(self, d: Backend, exc: UpstreamError) -> ProxyError:
-        self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
+        self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
         if exc.kind == "timeout":
-            return ProxyError(504, f"decode node {d.url} did not answer in "
+            return ProxyError(504, f"{d.role} node {d.url} did not answer in "
                                    f"{self.settings.decode_read_timeout_s:g} s")
         if exc.kind == "connect":
             self.backends.mark_failed(d, str(exc))
-            return ProxyError(502, f"decode node {d.url} unreachable: {exc}")
-        return ProxyError(502, f"decode node {d.url} failed: {exc}")
+            return ProxyError(502, f"{d.role} node {d.url} unreachable: {exc}")
+        return ProxyError(502, f"{d.role} node {d.url} failed: {exc}")
 
     async def _head(self, d: Backend, upstream: Response, retry: Retry) -> Response:
         """D's status and headers; D asked again alone if its P went down first."""
@@ -75,8 +75,8 @@ class Relay:
             raw = await upstream.read()
         except UpstreamError:
             raw = b""
-        self.metrics.upstream_errors.labels("decode", d.url, status_kind(upstream.status)).inc()
-        return upstream_error_body(upstream.status, raw, f"decode node {d.url}")
+        self.metrics.upstream_errors.labels(d.role, d.url, status_kind(upstream.status)).inc()
+        return upstream_error_body(upstream.status, raw, f"{d.role} node {d.url}")
 
     async def relay(self, request: web.Request, rec: Record, d: Backend, upstream: Response,
                     retry: Retry = None) -> web.StreamResponse:
@@ -87,7 +87,7 @@ class Relay:
                 inner = await self.error_body(d, upstream)
                 if upstream.status < 500:  # the client's mistake, as D words it
                     return json_response(upstream.status, inner, rec)
-                raise ProxyError(502, f"decode node {d.url} answered {upstream.status}: "
+                raise ProxyError(502, f"{d.role} node {d.url} answered {upstream.status}: "
                                       f"{inner['error']['message']}")
             content_type = upstream.header("content-type") or "application/json"
             if content_type.startswith("text/event-stream"):
@@ -99,8 +99,8 @@ class Relay:
                 if exc.kind == PREFILL_DOWN and retry is not None:
                     upstream.close()
                     return await self.relay(request, rec, d, await self._again(d, retry))
-                self.metrics.upstream_errors.labels("decode", d.url, exc.kind).inc()
-                raise ProxyError(502, f"decode node {d.url} failed mid-answer: {exc}") from None
+                self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
+                raise ProxyError(502, f"{d.role} node {d.url} failed mid-answer: {exc}") from None
             self._first_byte(rec, stream=False)
             if rec.kv is not None:
                 rec.kv.decode_answered()
@@ -123,7 +123,7 @@ class Relay:
             if upstream.status >= 400:
                 inner = await self.error_body(d, upstream)
                 return await self.end_stream(
-                    out, rec, f"decode node {d.url} answered {upstream.status}: "
+                    out, rec, f"{d.role} node {d.url} answered {upstream.status}: "
                               f"{inner['error']['message']}")
             return await self.stream(rec, d, upstream, out, rewrite=stream, retry=retry)
         finally:
@@ -212,9 +212,9 @@ class Relay:
                             retry = None
                             if again.status < 300:
                                 continue
-                            error = f"decode node {d.url} answered {again.status}"
+                            error = f"{d.role} node {d.url} answered {again.status}"
                     else:
-                        error = f"decode node {d.url} failed mid-stream: {exc}"
+                        error = f"{d.role} node {d.url} failed mid-stream: {exc}"
                 break
         finally:
             if again is not None:
@@ -223,7 +223,7 @@ class Relay:
             rec.step_s = (last - rec.decode_first_at) / (events - 2)
         if error is not None:
             # Headers are gone already; the error event is how a stream says it failed.
-            self.metrics.upstream_errors.labels("decode", d.url, "stream").inc()
+            self.metrics.upstream_errors.labels(d.role, d.url, "stream").inc()
             rec.error = error
             try:
                 await out.write(sse_error_event(502, error))

@@ -85,7 +85,8 @@ async def test_every_placement_answers_as_a_plain_server(pd_node, plain_server, 
     async with aiohttp.ClientSession() as http:
         async with http.get(auto + "/status") as r:
             split = (await r.json())["split"]
-    assert split["policy"] == "auto" and split["last_minute"] == {"remote": 1, "local": 3}
+    assert split["policy"] == "auto" and split["last_minute"] == {"remote": 1, "local": 3,
+                                                                          "p_alone": 0}
     assert split["prefill"]["samples"] >= 1
     await wait_no_blocks_held(pd_node, within=60)
 

@@ -88,7 +88,8 @@ def test_the_whole_cluster_healthy(pdctl, cluster) -> None:
         ("a/prefill-0", True, True), ("b/decode-0", True, True), ("b/decode-1", True, True),
         ("a/bootstrap", True, None), ("a/proxy", True, None)]
     assert out["members"][1]["url"].startswith("http://127.0.0.2:")
-    assert out["split"] == {"policy": "auto", "last_minute": {"remote": 0, "local": 0}}
+    assert out["split"] == {"policy": "auto", "last_minute": {"remote": 0, "local": 0,
+                                                                   "p_alone": 0}}
     table = pdctl("status", "--cluster", str(path))
     assert "cluster healthy" in table.stdout and "b/decode-1" in table.stdout
     assert "proxy: split auto, last minute: 0 remote (P then D), 0 local" in table.stdout

@@ -62,9 +62,10 @@ def test_healthy_node(status, node):
     assert counters["requests_ok"] == 0 and counters["fallbacks"] == 0
     assert "running 1, waiting 0" in by_name["prefill"]["detail"]
     # The proxy's placement (appliance.proxy.placement), its default policy.
-    assert body["split"] == {"policy": "auto", "last_minute": {"remote": 0, "local": 0}}
+    assert body["split"] == {"policy": "auto",
+                             "last_minute": {"remote": 0, "local": 0, "p_alone": 0}}
     assert by_name["proxy"]["detail"].endswith(
-        "split auto, last minute: 0 remote (P then D), 0 local (D alone)")
+        "split auto, last minute: 0 remote (P then D), 0 local (D alone), 0 p_alone (P alone)")
 
 
 def test_table_output(pdctl, write_config, node, docker):

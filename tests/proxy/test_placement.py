@@ -36,6 +36,29 @@ def test_the_rule(estimates: Estimates, local: bool, reason: str) -> None:
     assert (d.local, d.reason) == (local, reason)
 
 
+def A(local: float, alone: float, running: int, p_decodes: int = 0, fit: bool = True,
+      remote: float = 0.3) -> Estimates:
+    return Estimates(100, remote, local, running, 0.05, alone, p_decodes, fit)
+
+
+@pytest.mark.parametrize("estimates,where,reason", [
+    (A(0.02, 0.02, running=2), "p_alone", "balance"),            # D decodes 2, P none
+    (A(0.02, 0.02, running=2, p_decodes=2), "local", "sooner"),  # even: D, within budget
+    (A(0.02, 0.02, running=2, fit=False), "local", "sooner"),    # P does long prefills
+    (A(0.02, 0.02, running=0), "local", "sooner"),               # idle D stays first
+    (A(0.02, 0.04, running=2), "p_alone", "balance"),            # later, within the budget
+    (A(0.02, 5.0, running=2), "local", "sooner"),                # P backed up
+    (A(0.2, 0.2, running=2, fit=False), "remote", "itl_budget"),
+    # Remote's prefill would stall P's 3 whole requests too (0.15 s each): D's stall (2 x
+    # 0.15 s) is the smaller cost.
+    (A(0.2, 0.2, running=2, p_decodes=3, fit=False), "local", "backlog"),
+])
+def test_the_rule_with_p_alone(estimates: Estimates, where: str, reason: str) -> None:
+    d = decide("auto", estimates)
+    assert (d.where, d.reason) == (where, reason)
+    assert d.local == (where != "remote")
+
+
 def test_policies_ignore_estimates() -> None:
     assert decide("always", E(9, 0.1)).where == "remote"
     assert decide("never", E(0.1, 9, running=8)).where == "local"
@@ -144,7 +167,7 @@ async def test_never_serves_by_d_alone_and_p_holds_nothing(make_cluster: MakeClu
                                                                    "fallbacks")[-1][:200]
     status_body = await c.status()
     assert status_body["split"]["policy"] == "never"
-    assert status_body["split"]["last_minute"] == {"remote": 0, "local": 1}
+    assert status_body["split"]["last_minute"] == {"remote": 0, "local": 1, "p_alone": 0}
     assert status_body["decode"][0]["prefill_tokens"] == 0
 
 
@@ -156,7 +179,7 @@ async def test_auto_learns_then_keeps_an_idle_node_local(make_cluster: MakeClust
     assert await _stream(c) == 200  # D idle: sooner without the handoff
     assert len(c.prefill[0].received) == 1 and len(c.decode[0].received) == 2
     split = (await c.status())["split"]
-    assert split["last_minute"] == {"remote": 1, "local": 1}
+    assert split["last_minute"] == {"remote": 1, "local": 1, "p_alone": 0}
     assert split["prefill"]["samples"] == 2  # P's answer, then D's first token
     assert split["handoff"]["samples"] == 1
     metrics = await c.metrics()
@@ -204,3 +227,29 @@ async def test_auto_sends_new_requests_to_d_while_p_is_frozen(make_cluster: Make
     assert 'pd_proxy_split_decisions_total{decision="local",reason="backlog"} 1.0' in metrics
     stuck.cancel()
     decoding.cancel()
+
+
+async def test_auto_serves_whole_requests_on_p_while_d_decodes_more(
+        make_cluster: MakeCluster, caplog) -> None:
+    c = await make_cluster(split="auto", itl_slo_ms=500)
+    assert await _stream(c) == 200  # learns P: its prefills are short
+    c.decode[0].chunks, c.decode[0].chunk_delay = 60, 0.05
+    decoding = asyncio.create_task(_stream(c))  # local: D is idle
+    await c.decode[0].wait_requests(2)
+    caplog.set_level(logging.INFO, logger="appliance.proxy.access")
+    c.decode[0].chunks, c.decode[0].chunk_delay = 4, 0.0
+    # D decodes one request, P none: P serves the next one whole, as the client sent it.
+    status, data, _ = await c.post()
+    assert status == 200 and data["choices"][0]["text"] == "t0 t1 t2 t3"
+    got = c.prefill[0].bodies()[-1]
+    assert "kv_transfer_params" not in got and got["max_tokens"] == 8
+    assert len(c.decode[0].received) == 2 and c.released() == []
+    assert "split=p_alone:balance" in caplog.text
+    metrics = await c.metrics()
+    assert 'pd_proxy_split_decisions_total{decision="p_alone",reason="balance"} 1.0' in metrics
+    status_body = await c.status()
+    assert status_body["split"]["last_minute"]["p_alone"] == 1
+    # Over: P holds nothing; D still decodes the long stream.
+    (p,), (d,) = status_body["prefill"], status_body["decode"]
+    assert (p["in_flight"], p["decodes"], d["in_flight"], d["decodes"]) == (0, 0, 1, 1)
+    assert await decoding == 200
