@@ -118,9 +118,9 @@ def _row(results: list[dict]) -> dict[str, float]:
 
 
 def decisions(url: str) -> dict[str, float]:
-    """The proxy's placement counts so far: {"remote": n, "local": m}."""
+    """The proxy's placement counts so far: {"remote": n, "local": m, "p_alone": k}."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    out = {"remote": 0.0, "local": 0.0}
+    out = {"remote": 0.0, "local": 0.0, "p_alone": 0.0}
     for line in text.splitlines():
         if line.startswith("pd_proxy_split_decisions_total{"):
             where = line.split('decision="', 1)[1].split('"', 1)[0]
@@ -145,7 +145,7 @@ def main() -> None:
         setups = [*(appliance_setup(model, args.log_dir, split, split) for split in SETUPS),
                   plain_setup(model, args.log_dir)]
         results: dict[str, list[dict]] = {s.name: [] for s in setups}
-        placed = {"remote": 0.0, "local": 0.0}
+        placed = {"remote": 0.0, "local": 0.0, "p_alone": 0.0}
         started: list[Setup] = []
         try:
             for setup in setups:
@@ -173,7 +173,8 @@ def main() -> None:
         total = sum(placed.values()) or 1
         table = Table(title=f"{work.name} ({work.model}): {' '.join(work.args)}; medians of "
                             f"{args.rounds} rounds; auto placed {placed['local'] / total:.0%} "
-                            f"local, {placed['remote'] / total:.0%} remote")
+                            f"local, {placed['remote'] / total:.0%} remote, "
+                            f"{placed['p_alone'] / total:.0%} p_alone")
         table.add_column("metric")
         for setup in rows:
             table.add_column(setup, justify="right")
