@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -19,13 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # and the server binding it; never the same one twice in a run, and 8 apart, as servers
 # given a base port (data-parallel ranks, a host's second D) also take the next few.
 _PORTS = range(20000, 32000, 8)
-_next = [(os.getpid() * 7919) % len(_PORTS)]
+_order = itertools.islice(itertools.cycle(_PORTS), (os.getpid() * 7919) % len(_PORTS), None)
 
 
 def free_port() -> int:
-    for _ in range(len(_PORTS)):
-        port = _PORTS[_next[0]]
-        _next[0] = (_next[0] + 1) % len(_PORTS)
+    for port in itertools.islice(_order, len(_PORTS)):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from appliance.proxy.backends import Backend
 from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
@@ -44,6 +44,8 @@ ITL_BUDGET_STEPS = 3.0
 RECENT_S = 60
 # P serves whole requests only while the prefills of this many latest prompts fit the budget.
 RECENT_PROMPTS = 16
+
+Where = Literal["remote", "local", "p_alone"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +67,7 @@ class Estimates:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    # No KV moves: one node serves the whole request (D, or P where on_prefill).
-    local: bool
+    where: Where
     # policy: split=always/never; unmeasured: auto has no timing of P yet (it learns);
     # itl_budget: local would stall D's decodes longer than remote delays this request;
     # backlog: it would, but P is so far behind that the request waits less on D;
@@ -74,11 +75,15 @@ class Decision:
     # balance: P alone, as D decodes more requests than P and P's prefills are short.
     reason: str
     tokens: int = 0
-    on_prefill: bool = False
 
     @property
-    def where(self) -> str:
-        return "p_alone" if self.on_prefill else "local" if self.local else "remote"
+    def local(self) -> bool:
+        """No KV moves: one node serves the whole request."""
+        return self.where != "remote"
+
+    @property
+    def on_prefill(self) -> bool:
+        return self.where == "p_alone"
 
 
 def decide(split: Split, e: Estimates) -> Decision:
@@ -88,24 +93,24 @@ def decide(split: Split, e: Estimates) -> Decision:
     each of them the excess on one token; remote costs this request the difference in
     first-token time. The smaller cost, in seconds of someone's wait, wins."""
     if split == "always":
-        return Decision(False, "policy", e.tokens)
+        return Decision("remote", "policy", e.tokens)
     if split == "never":
-        return Decision(True, "policy", e.tokens)
+        return Decision("local", "policy", e.tokens)
     if e.remote_s is None or e.local_s is None:
-        return Decision(False, "unmeasured", e.tokens)
+        return Decision("remote", "unmeasured", e.tokens)
     budget = e.itl_budget_s or 0.0
     if (e.alone_s is not None and e.p_prefills_fit and e.p_decodes < e.decodes_running
             and e.alone_s <= max(budget, e.local_s)):
         # D's decodes outnumber P's: P takes this one whole, no later than D would start it.
-        return Decision(True, "balance", e.tokens, on_prefill=True)
+        return Decision("p_alone", "balance", e.tokens)
     if e.decodes_running and e.local_s > budget:
         stall = (e.local_s - budget) * e.decodes_running
         # Remote's prefill stalls P's decodes (whole requests P serves) likewise.
         p_stall = max(0.0, (e.alone_s or 0.0) - budget) * e.p_decodes
         if e.remote_s + p_stall - e.local_s > stall:
-            return Decision(True, "backlog", e.tokens)
-        return Decision(False, "itl_budget", e.tokens)
-    return Decision(e.local_s <= e.remote_s, "sooner", e.tokens)
+            return Decision("local", "backlog", e.tokens)
+        return Decision("remote", "itl_budget", e.tokens)
+    return Decision("local" if e.local_s <= e.remote_s else "remote", "sooner", e.tokens)
 
 
 def prompt_size(body: dict[str, Any], route: str) -> tuple[int, int]:
@@ -224,14 +229,13 @@ class Placement:
 
     def estimates(self, tokens: int, p: Backend, d: Backend, now: float) -> Estimates:
         p_line = self.prefill.predict(p.prefill_tokens + tokens)
-        remote = None
+        alone = remote = None  # P's first token; that plus the handoff
         if p_line is not None:
+            alone = max(p_line, self._waited(p, now))
             # Until a stream has timed it, the handoff counts as free (remote's best case).
-            handoff = self.handoff.predict(tokens) or 0.0
-            remote = max(p_line, self._waited(p, now)) + handoff
+            remote = alone + (self.handoff.predict(tokens) or 0.0)
         d_line = self.prefill.predict(d.prefill_tokens + tokens)
         local = None if d_line is None else max(d_line, self._waited(d, now))
-        alone = None if p_line is None else max(p_line, self._waited(p, now))
         budget = self.itl_budget_s()
         longest = self.prefill.predict(max(tokens, *self._prompts, 0))
         fit = budget is not None and longest is not None and longest <= budget
@@ -250,7 +254,7 @@ class Placement:
         key = (decision.where, decision.reason)
         self.counts[key] = self.counts.get(key, 0) + 1
         self._recent.add(decision.where, now)
-        node = d if decision.local and not decision.on_prefill else p
+        node = d if decision.where == "local" else p
         queue = self._queues.setdefault(node.url, {})
         ticket = Ticket(node, self.prefill, tokens, node.prefill_tokens, now, queue)
         queue[ticket] = None
