@@ -22,6 +22,7 @@ from appliance.keys import API_KEY_FILE_ENV, NodeKeys
 from appliance.process import (
     CPU_BLOCK_SIZE,
     CPU_EAGER,
+    KV_EVENTS_FLAGS,
     ServiceFailed,
     ServiceProcess,
     cpu_env,
@@ -156,6 +157,7 @@ class LocalNode:
                                block_size=CPU_BLOCK_SIZE, max_model_len=s.max_model_len,
                                kv_transfer_config=s.kv_transfer_config(role),
                                extra=(*CPU_EAGER, *kv_cache_flags(self.kv_bytes), *guard,
+                                      *KV_EVENTS_FLAGS,
                                       *(s.prefill_args if role == "kv_producer"
                                         else s.decode_args)))
         role_env = s.prefill_env if role == "kv_producer" else s.decode_env

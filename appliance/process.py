@@ -144,6 +144,15 @@ def kv_cache_flags(nbytes: int) -> tuple[str, ...]:
 
 CPU_SERVE_FLAGS = (*CPU_EAGER, *kv_cache_flags(kvbudget.FLOOR))
 
+# Each P and D publishes its KV-cache events for the proxy's prefix index
+# (appliance.proxy.prefix): on its node address (VLLM_HOST_IP) at ports vLLM picks and lists
+# at GET /kv_event_sources, never on every interface; hashed with sha256_cbor, which the
+# proxy computes the same way from a prompt's token ids.
+KV_EVENTS_CONFIG = ('{"enable_kv_cache_events":true,"publisher":"zmq",'
+                    '"endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0"}')
+KV_EVENTS_FLAGS = ("--prefix-caching-hash-algo", "sha256_cbor",
+                   "--kv-events-config", KV_EVENTS_CONFIG)
+
 
 def cpu_env(omp_bind: str, host_ip: str = "127.0.0.1") -> dict[str, str]:
     return {

@@ -30,7 +30,8 @@ from appliance.proxy.exchange import Exchange
 from appliance.proxy.health import HealthPoller
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.ownership import Holder, Pulls
-from appliance.proxy.placement import Placement
+from appliance.proxy.placement import Decision, Placement, Ticket
+from appliance.proxy.prefix import PrefixCache
 from appliance.proxy.record import Record
 from appliance.proxy.relay import Relay
 from appliance.proxy.release import KVReleaser
@@ -68,6 +69,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.poller: HealthPoller | None = None
         self.discovery: KubernetesDiscovery | None = None
+        self.prefix: PrefixCache | None = None  # the prefix index, when auto places
         self.base_headers: dict[str, str] = {}
         if settings.backend_api_key:
             self.base_headers["Authorization"] = f"Bearer {settings.backend_api_key}"
@@ -110,6 +112,13 @@ class Proxy:
         self.poller = HealthPoller(self.backends, self.session, self.settings, self.base_headers)
         self.poller.start()
         self.upstreams.start()
+        if self.settings.prefix_index and self.settings.split == "auto":
+            s = self.settings
+            self.prefix = PrefixCache(self.session, self.base_headers,
+                                      lambda: [b.url for b in self.backends.all()],
+                                      s.prefix_hash_seed, s.kv_events_resync_s,
+                                      s.tokenize_timeout_s)
+            self.prefix.start()
         if self.settings.discovery == "kubernetes":
             # Nodes come and go with the pods; the poller checks each new one at once.
             self.discovery = KubernetesDiscovery(self.settings.kubernetes,
@@ -121,6 +130,8 @@ class Proxy:
             await self.discovery.stop()
         if self.poller is not None:
             await self.poller.stop()
+        if self.prefix is not None:
+            await self.prefix.stop()
         if self.session is not None:
             await self.session.close()
         await self.upstreams.close()
@@ -136,6 +147,8 @@ class Proxy:
         (else each would wait for D's recv_timeout_s)."""
         message = (f"{b.role} node {b.url} is down ({self.backends.down_after} failed health "
                    f"checks: {why})")
+        if self.prefix is not None:  # what a down engine holds is unknown until it is back
+            self.prefix.forget(b.url, "down")
         failed = self.upstreams.fail_node(b.url, message)
         if failed:
             log.warning("%s %s is down (%s): failed its %d calls in flight", b.role, b.url,
@@ -238,7 +251,8 @@ class Proxy:
         handoff = None
         if (not rec.local and rec.fallback is None and rec.prefilled_at is not None
                 and rec.decode_first_at is not None and rec.status == 200):
-            handoff = (rec.prompt_tokens or rec.placed.tokens,
+            # Only the blocks D lacks move.
+            handoff = ((rec.prompt_tokens or rec.placed.tokens) - rec.cached_d,
                        rec.decode_first_at - rec.prefilled_at)
         self.placement.learned(rec.route, rec.prompt_chars, rec.prompt_tokens, handoff,
                                rec.step_s)
@@ -267,8 +281,7 @@ class Proxy:
                 d.decodes += 1
                 return await self.exchange.plain(request, rec, body, d, "no_prefill")
             p = self.router.pick_prefill(prefills)
-            rec.placed, rec.ticket, rec.prompt_chars = self.placement.choose(
-                body, rec.route, p, d)
+            rec.placed, rec.ticket, rec.prompt_chars = await self._place(body, rec, p, d)
             serving = p if rec.placed.on_prefill else d
             serving.decodes += 1
             if serving is p:  # P holds the request: drains, leaves and routing see it
@@ -287,6 +300,26 @@ class Proxy:
                 if serving is not d:
                     serving.in_flight -= 1
             self.admission.release(d)
+
+    async def _place(self, body: dict[str, Any], rec: Record, p: Backend,
+                     d: Backend) -> tuple[Decision, Ticket, int]:
+        """The placement's decision, with each node's cached share of the prompt when the
+        prefix index can tell it; counted per node that computes the prompt."""
+        if self.prefix is not None:
+            estimate, _ = self.placement.tokens(body, rec.route)
+            rec.prefix = await self.prefix.lookup(body, rec.route, estimate, d.url,
+                                                  (p.url, d.url))
+            if rec.prefix is not None:
+                rec.cached_p, rec.cached_d = rec.prefix.on(p.url), rec.prefix.on(d.url)
+        placed = self.placement.choose(body, rec.route, p, d, rec.prefix)
+        decision = placed[0]
+        tokens = decision.tokens
+        computing = ((p, rec.cached_p),) if decision.on_prefill else \
+            ((d, rec.cached_d),) if decision.local else ((p, rec.cached_p), (d, rec.cached_d))
+        for node, cached in computing:
+            self.metrics.prefix_hits.labels(node.role, node.url).inc(cached)
+            self.metrics.prefix_queries.labels(node.role, node.url).inc(tokens)
+        return placed
 
     def route_handler(self, route: str) -> Any:
         async def handler(request: web.Request) -> web.StreamResponse:

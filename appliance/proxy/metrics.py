@@ -113,6 +113,15 @@ class ProxyMetrics:
         self.upstream_errors = Counter("pd_proxy_upstream_errors",
                                        "Failed upstream requests by backend and kind",
                                        ["role", "backend", "kind"], registry=r)
+        self.prefix_hits = Counter(
+            "pd_proxy_prefix_predicted_hits",
+            "Prompt tokens the prefix index predicted cached on the node that computes the "
+            "prompt (compare with the node's vllm:prefix_cache_hits)", ["role", "backend"],
+            registry=r)
+        self.prefix_queries = Counter(
+            "pd_proxy_prefix_predicted_queries",
+            "Prompt tokens sent to be computed, per node (compare with the node's "
+            "vllm:prefix_cache_queries)", ["role", "backend"], registry=r)
         self.backend_up = Gauge("pd_proxy_backend_up", "1 when the node is in rotation",
                                 ["role", "backend"], registry=r)
         self.membership = Counter(

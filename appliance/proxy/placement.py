@@ -12,8 +12,10 @@ running decodes past the ITL budget; P serves whole requests while D decodes mor
 than P does and every recent prompt's prefill fits the budget (a P that is asked for long
 prefills decodes nothing, so they stall no one). What `auto` weighs (appliance.proxy.costmodel):
 
-- the prompt's tokens (exact for token-id prompts; else characters times the tokens per
-  character the engines' usage counts showed);
+- the prompt's tokens that each node would compute: exact when the prefix index has
+  them (appliance.proxy.prefix: the engines' own KV events, the prompt's ids from
+  /tokenize), less what that node's cache holds; else characters times the tokens per
+  character the engines' usage counts showed, none cached;
 - the prefill work already sent to P and to D and not done yet (tokens), so a backed-up P
   sends new requests to D, and a D busy prefilling sends them to P;
 - prefill seconds as one line in (work ahead in the node's queue + own tokens), fitted
@@ -36,6 +38,7 @@ from typing import Any, Literal
 
 from appliance.proxy.backends import Backend
 from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
+from appliance.proxy.prefix import Lookup
 from appliance.proxy.settings import Split
 from appliance.proxy.split import CHAT
 
@@ -148,7 +151,8 @@ class Ticket:
 
     backend: Backend
     model: Linear
-    tokens: int
+    tokens: int  # the prompt's tokens this node computes (its cache holds `cached` more)
+    cached: int
     ahead: int
     sent: float
     # The node's prefills not done, oldest first (shared by its tickets).
@@ -162,7 +166,7 @@ class Ticket:
         self.queue.pop(self, None)
         self.backend.prefill_tokens -= self.tokens
         if learn:
-            n = self.tokens if tokens is None else tokens
+            n = self.tokens if tokens is None else max(1, tokens - self.cached)
             self.model.observe(self.ahead + n, now - self.sent)
 
 
@@ -227,38 +231,46 @@ class Placement:
         queue = self._queues.get(b.url)
         return now - next(iter(queue)).sent if queue else 0.0
 
-    def estimates(self, tokens: int, p: Backend, d: Backend, now: float) -> Estimates:
-        p_line = self.prefill.predict(p.prefill_tokens + tokens)
+    def estimates(self, tokens: int, p: Backend, d: Backend, now: float,
+                  cached_p: int = 0, cached_d: int = 0) -> Estimates:
+        """`tokens`: the prompt's; `cached_*`: those each node's prefix cache holds."""
+        on_p, on_d = tokens - cached_p, tokens - cached_d
+        p_line = self.prefill.predict(p.prefill_tokens + on_p)
         alone = remote = None  # P's first token; that plus the handoff
         if p_line is not None:
             alone = max(p_line, self._waited(p, now))
             # Until a stream has timed it, the handoff counts as free (remote's best case).
-            remote = alone + (self.handoff.predict(tokens) or 0.0)
-        d_line = self.prefill.predict(d.prefill_tokens + tokens)
+            # Only the blocks D lacks move.
+            remote = alone + (self.handoff.predict(on_d) or 0.0)
+        d_line = self.prefill.predict(d.prefill_tokens + on_d)
         local = None if d_line is None else max(d_line, self._waited(d, now))
         budget = self.itl_budget_s()
-        longest = self.prefill.predict(max(tokens, *self._prompts, 0))
+        longest = self.prefill.predict(max(on_p, *self._prompts, 0))
         fit = budget is not None and longest is not None and longest <= budget
         return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit)
 
-    def choose(self, body: dict[str, Any], route: str, p: Backend,
-               d: Backend) -> tuple[Decision, Ticket, int]:
+    def choose(self, body: dict[str, Any], route: str, p: Backend, d: Backend,
+               prefix: Lookup | None = None) -> tuple[Decision, Ticket, int]:
         """The decision, the ticket of the prefill it sends (to D for local, else to P),
         and the prompt's characters."""
-        tokens, chars = self.tokens(body, route)
+        estimate, chars = self.tokens(body, route)
+        tokens = estimate if prefix is None else prefix.tokens
+        cached_p = 0 if prefix is None else prefix.on(p.url)
+        cached_d = 0 if prefix is None else prefix.on(d.url)
         now = time.monotonic()
-        e = (self.estimates(tokens, p, d, now) if self.split == "auto"
+        e = (self.estimates(tokens, p, d, now, cached_p, cached_d) if self.split == "auto"
              else Estimates(tokens, None, None, 0, None))
         decision = decide(self.split, e)
-        self._prompts.append(tokens)
+        self._prompts.append(tokens - cached_p)
         key = (decision.where, decision.reason)
         self.counts[key] = self.counts.get(key, 0) + 1
         self._recent.add(decision.where, now)
-        node = d if decision.where == "local" else p
+        node, cached = (d, cached_d) if decision.where == "local" else (p, cached_p)
         queue = self._queues.setdefault(node.url, {})
-        ticket = Ticket(node, self.prefill, tokens, node.prefill_tokens, now, queue)
+        work = tokens - cached
+        ticket = Ticket(node, self.prefill, work, cached, node.prefill_tokens, now, queue)
         queue[ticket] = None
-        node.prefill_tokens += tokens
+        node.prefill_tokens += work
         return decision, ticket, chars
 
     def learned(self, route: str, chars: int, prompt_tokens: int | None,

@@ -11,6 +11,7 @@ from appliance.proxy.ownership import PrefillKV
 
 if TYPE_CHECKING:
     from appliance.proxy.placement import Decision, Ticket
+    from appliance.proxy.prefix import Lookup
 
 access_log = logging.getLogger("appliance.proxy.access")
 
@@ -36,6 +37,10 @@ class Record:
     # first token came (monotonic), D's time per streamed token.
     placed: Decision | None = None
     ticket: Ticket | None = None
+    # The prompt's exact tokens and each node's cached share (None: not predicted).
+    prefix: Lookup | None = None
+    cached_p: int = 0
+    cached_d: int = 0
     prompt_chars: int = 0
     prompt_tokens: int | None = None
     prefilled_at: float | None = None
@@ -56,11 +61,13 @@ class Record:
     def log(self) -> None:
         total = time.monotonic() - self.started
         access_log.info(
-            "%s %s xfer=%s p=%s d=%s status=%d split=%s prefill_ms=%s ttfb_ms=%s "
-            "total_ms=%.1f%s%s",
+            "%s %s xfer=%s p=%s d=%s status=%d split=%s cached=%s prefill_ms=%s "
+            "ttfb_ms=%s total_ms=%.1f%s%s",
             self.route, self.request_id, self.transfer_id, self.prefill, self.decode,
             self.status, "-" if self.placed is None
             else f"{self.placed.where}:{self.placed.reason}",
+            "-" if self.prefix is None
+            else f"{self.cached_p}/{self.cached_d}/{self.prefix.tokens}",
             _ms(self.prefill_s), _ms(self.ttfb_s), total * 1000,
             f" fallback={self.fallback}" if self.fallback else "",
             f" error={self.error!r}" if self.error else "")

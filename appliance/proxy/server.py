@@ -63,7 +63,8 @@ def ops_routes(proxy: Proxy) -> list[web.RouteDef]:
         body = proxy.backends.status()
         body.update(policy=proxy.settings.policy,
                     fallback_to_decode=proxy.settings.fallback_to_decode,
-                    in_flight=proxy.in_flight, split=proxy.placement.describe())
+                    in_flight=proxy.in_flight, split=proxy.placement.describe(),
+                    prefix=None if proxy.prefix is None else proxy.prefix.describe())
         return web.Response(body=_encode(body), content_type="application/json")
 
     async def metrics(request: web.Request) -> web.Response:

@@ -196,6 +196,17 @@ class ProxySettings(BaseModel):
     # The most a local prefill on D may stall D's running decodes, in ms (auto); unset: 3x
     # D's measured time per token.
     itl_slo_ms: float | None = Field(None, gt=0)
+    # What each P and D holds in its prefix cache, from their own KV events
+    # (appliance.proxy.prefix): auto weighs only the prompt tokens a node would compute.
+    # The engines publish them when started with --kv-events-config (pdctl, compose and
+    # the chart do); a node that does not is predicted to hold nothing.
+    prefix_index: bool = True
+    # The seed of the engines' first block hash: vLLM's default, or their PYTHONHASHSEED.
+    prefix_hash_seed: str = Field("vllm-none-hash", min_length=1)
+    # How often each node's event endpoints are read (a restarted engine binds new ones).
+    kv_events_resync_s: float = Field(5.0, gt=0)
+    # The longest a request waits for a node's /tokenize before it is placed without it.
+    tokenize_timeout_s: float = Field(0.5, gt=0)
 
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Bearer keys for the /v1/ routes; empty: no auth.
@@ -358,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--itl-slo-ms", dest="itl_slo_ms", type=float, metavar="MS",
                    help="auto: the most a prefill on D may stall D's decodes (default: 3x "
                         "D's measured time per token)")
+    p.add_argument("--prefix-index", dest="prefix_index",
+                   action=argparse.BooleanOptionalAction,
+                   help="auto: follow each node's KV events to weigh only uncached prompt "
+                        "tokens (default on)")
+    p.add_argument("--prefix-hash-seed", metavar="SEED",
+                   help="the engines' PYTHONHASHSEED, if they run with one")
     p.add_argument("--max-body-bytes", type=int, metavar="BYTES")
     p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
                    help=f"accepted Bearer key (repeatable; also ${API_KEYS_ENV}, comma-separated)")

@@ -1,0 +1,95 @@
+"""Prefix-cache state that is right: each P's and D's own KV events, in one index, and a
+request's lookup against it (how many of its prompt tokens each node would not compute).
+
+- `hashing`: vLLM's sha256_cbor block hashes from token ids (pure);
+- `wire`: the events as vLLM sends them (msgpack);
+- `index`: what each engine holds, by its events (pure, no sockets);
+- `events`: the ZMQ subscriptions that feed it, with replay and resync;
+- `tokens`: a prompt's token ids through a node's /tokenize.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from appliance.proxy.prefix import hashing
+from appliance.proxy.prefix.events import KVEvents
+from appliance.proxy.prefix.index import PrefixIndex
+from appliance.proxy.prefix.tokens import token_ids, tokenize_body
+
+log = logging.getLogger("appliance.proxy.prefix")
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """A prompt's exact tokens and, per node URL, how many of them its cache holds."""
+
+    tokens: int
+    cached: dict[str, int] = field(default_factory=dict)
+
+    def on(self, url: str) -> int:
+        return self.cached.get(url, 0)
+
+
+class PrefixCache:
+    def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str],
+                 nodes: Callable[[], Iterable[str]], seed: str, resync_s: float,
+                 tokenize_timeout_s: float) -> None:
+        self.session = session
+        self.headers = headers
+        self.index = PrefixIndex(seed)
+        self.events = KVEvents(self.index, nodes, session, headers, resync_s)
+        self.timeout = aiohttp.ClientTimeout(total=tokenize_timeout_s)
+        self.tokenize_failures = 0
+
+    def start(self) -> None:
+        self.events.start()
+
+    async def stop(self) -> None:
+        await self.events.stop()
+
+    async def lookup(self, body: dict[str, Any], route: str, estimate: int, ask: str,
+                     nodes: Sequence[str]) -> Lookup | None:
+        """None when nothing can be predicted: no node holds blocks, the prompt is shorter
+        than one block, or its tokens cannot be had (asked of `ask`'s /tokenize)."""
+        if not self.index.has_blocks():
+            return None
+        size = self.index.block_size(nodes)
+        if size is None or estimate < size // 2:  # estimates err; a block's worth is cheap
+            return None
+        what = tokenize_body(body, route)
+        if what is None:
+            return None
+        ids = what if isinstance(what, list) else await self._tokenize(ask, what)
+        if ids is None:
+            return None
+        hashes = [hashing.external(h) for h in hashing.chain(ids, size, self.index.seed)]
+        # vLLM computes a prompt's last token even when every block is cached.
+        most = (len(ids) - 1) // size
+        return Lookup(len(ids), {url: min(most, self.index.cached_blocks(url, hashes)) * size
+                                 for url in nodes})
+
+    async def _tokenize(self, url: str, what: dict[str, Any]) -> list[int] | None:
+        try:
+            async with self.session.post(f"{url}/tokenize", json=what, headers=self.headers,
+                                         timeout=self.timeout) as resp:
+                if resp.status == 200:
+                    return token_ids(await resp.json(content_type=None))
+                log.debug("tokenize on %s answered %d", url, resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.debug("tokenize on %s failed: %s", url, exc)
+        self.tokenize_failures += 1
+        return None
+
+    def forget(self, url: str, why: str) -> None:
+        self.index.drop(url, why)
+
+    def describe(self) -> dict[str, Any]:
+        return {"nodes": self.index.describe(), "tokenize_failures": self.tokenize_failures,
+                "undecodable_batches": self.events.undecodable}
