@@ -54,6 +54,8 @@ MANAGED_FLAGS = {
     "--served-model-name": "model.served_name", "--max-model-len": "model.max_model_len",
     "--gpu-memory-utilization": "model.gpu_memory_utilization",
     "--kv-cache-memory-bytes": "model.kv_cache_bytes",
+    "--kv-events-config": "proxy.prefix_index (P and D always publish KV events)",
+    "--prefix-caching-hash-algo": "proxy.prefix_index (sha256_cbor, the proxy's hashing)",
 }
 Stack = Literal["gpu", "cpu"]
 # The CPU build's attention backend works on blocks of a multiple of 32 tokens.

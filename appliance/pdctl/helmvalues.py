@@ -89,7 +89,7 @@ def helm_values(desc: ClusterDescription) -> dict[str, Any]:
         "ports": {"prefill": desc.ports.prefill, "decode": desc.ports.decode,
                   "bootstrap": desc.ports.bootstrap, "proxy": desc.ports.proxy},
         "proxy": {"policy": desc.proxy.policy, "split": desc.proxy.split,
-                  "itlSloMs": desc.proxy.itl_slo_ms},
+                  "itlSloMs": desc.proxy.itl_slo_ms, "prefixIndex": desc.proxy.prefix_index},
         "transfer": {
             # The CPU images move KV over TCP only.
             "protocol": "tcp" if desc.stack == "cpu" else t.protocol,

@@ -134,12 +134,17 @@ class ProxySection(_Section):
     split: Literal["always", "never", "auto"] = "auto"
     # That budget in ms (auto); unset: 3x D's measured time per token.
     itl_slo_ms: float | None = Field(None, gt=0)
+    # auto weighs only the prompt tokens a node's prefix cache lacks, as P's and D's own KV
+    # events say (appliance.proxy.prefix). The engines publish them either way.
+    prefix_index: bool = True
 
     def args(self) -> list[str]:
         """The proxy's flags for these."""
         out = ["--split", self.split]
         if self.itl_slo_ms is not None:
             out += ["--itl-slo-ms", f"{self.itl_slo_ms:g}"]
+        if not self.prefix_index:
+            out.append("--no-prefix-index")
         return out
 
 

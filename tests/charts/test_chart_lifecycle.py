@@ -180,3 +180,21 @@ def test_every_pod_that_mounts_keys_carries_their_digest(rendered: Rendered) -> 
     assert len(set(other.values())) == 1 and by_name not in other.values()
     inline = _checksums(rendered("inline-keys"))
     assert len(set(inline.values())) == 1 and None not in inline.values()
+
+
+def test_p_and_d_publish_kv_events_for_the_prefix_index(rendered: Rendered) -> None:
+    """Bound on the pod IP at ports vLLM picks (never tcp://* at a fixed port), hashed
+    as the proxy hashes; the proxy weighs them unless proxy.prefixIndex is off."""
+    from appliance.process import KV_EVENTS_FLAGS
+
+    for role in ROLES:
+        args = container(workload(rendered("defaults"), role), "vllm")["args"]
+        at = args.index("--kv-events-config")
+        assert args[at - 2:at + 2] == list(KV_EVENTS_FLAGS)
+    assert "--no-prefix-index" not in container(workload(rendered("defaults"), "proxy"),
+                                                "proxy")["args"]
+    off = rendered.values(merged(NEEDED, {"proxy": {"prefixIndex": False}}))
+    assert off.rc == 0, off.out
+    assert "--no-prefix-index" in container(workload(off.docs(), "proxy"), "proxy")["args"]
+    bad = rendered.values(merged(NEEDED, {"model": {"extraArgs": ["--kv-events-config={}"]}}))
+    assert bad.rc != 0 and "proxy.prefixIndex" in bad.out

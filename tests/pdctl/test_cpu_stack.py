@@ -13,6 +13,7 @@ from appliance.pdctl.configtoml import to_toml
 from appliance.pdctl.doctor import run_checks, version_tuple
 from appliance.pdctl.errors import ConfigError
 from appliance.pdctl.host import HostProbe, parse_cpu_list, split_cpus
+from appliance.process import KV_EVENTS_FLAGS
 from tests.pdctl.conftest import error_lines
 from tests.pdctl.test_render import flag, resolved
 
@@ -183,6 +184,9 @@ def test_render_cpu_stack_for_a_plain_docker_compose(pdctl, write_config, model_
         assert flag(argv, "--kv-cache-memory-bytes") == str(384 * MIB)
         assert "--enforce-eager" in argv
         assert "start_interval" not in svc["healthcheck"]
+        # KV events for the proxy's prefix index, as a local node's P and D publish them
+        at = argv.index("--kv-events-config")
+        assert argv[at - 2:at + 2] == list(KV_EVENTS_FLAGS)
 
 
 def test_render_cpu_kv_bytes_from_the_config_and_a_model_it_cannot_size(pdctl, write_config,

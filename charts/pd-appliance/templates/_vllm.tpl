@@ -64,6 +64,10 @@ lifecycle:
 {{- with $m.kvCacheBytes }}{{ $args = concat $args (list "--kv-cache-memory-bytes" (toString (int64 .))) }}{{ end -}}
 {{- /* SIGTERM: finish what is in flight (vLLM's default 0 aborts it all). */ -}}
 {{- $args = concat $args (list "--shutdown-timeout" (include "pd-appliance.shutdownTimeout" .)) -}}
+{{- /* KV events for the proxy's prefix index: bound on the pod IP (VLLM_HOST_IP) at ports
+       vLLM picks and lists at /kv_event_sources, never on every interface. */ -}}
+{{- $args = concat $args (list "--prefix-caching-hash-algo" "sha256_cbor" "--kv-events-config"
+      "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:0\",\"replay_endpoint\":\"tcp://*:0\"}") -}}
 {{- $args = concat $args (list "--kv-transfer-config" (include "pd-appliance.kvTransferConfig" .)) -}}
 {{- $args = concat $args $m.extraArgs (ternary $m.prefillExtraArgs $m.decodeExtraArgs (eq $role "prefill")) -}}
 {{- toYaml $args -}}

@@ -1,0 +1,151 @@
+"""The proxy's prefix index against real engines: P's and D's own KV events, followed by an
+auto proxy in front of the shared node. What it predicts cached on each node, request by
+request, is what that engine's prefix cache then hits (vllm:prefix_cache_hits); the access
+line shows it; under pressure P evicts and the index follows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+
+from tests.e2e.conftest import ask, log_text, second_proxy, token_prompt
+from tests.e2e.observe import metric
+
+pytestmark = pytest.mark.slow
+
+HITS = "vllm:prefix_cache_hits_total"
+PREDICTED = "pd_proxy_prefix_predicted_hits_total"
+
+
+@pytest.fixture(scope="module")
+def auto(pd_node, tmp_path_factory):
+    svc, url = second_proxy(pd_node, tmp_path_factory.mktemp("proxy-prefix"))
+    svc.start()
+    try:
+        svc.wait_healthy(60)
+        yield url, svc.log_path
+    finally:
+        svc.stop()
+
+
+def _status(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/status", timeout=10).read())
+
+
+async def _settled(url: str, nodes: tuple[str, ...], within: float = 20,
+                   busy: bool = False) -> dict:
+    """The index once every node is followed and no batch came for a moment (the events
+    of the last request are in). `busy`: decodes publish a batch every few steps, so wait
+    a moment instead (a request's own events come within milliseconds of its end)."""
+    deadline = time.monotonic() + within
+    last = None
+    while True:
+        index = (_status(url)["prefix"] or {}).get("nodes", {})
+        seen = {n: sum(r["batches"] for r in index.get(n, {}).values()) for n in nodes}
+        if all(n in index for n in nodes) and (busy or seen == last):
+            if busy:
+                await asyncio.sleep(0.5)
+            return index
+        assert time.monotonic() < deadline, f"index not settled: {index}"
+        last = seen
+        await asyncio.sleep(0.3)
+
+
+def _predicted(url: str, node: str) -> float:
+    """The proxy's predicted hits on one node (its series carry role and backend)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(PREDICTED) and f'backend="{node}"' in line)
+
+
+async def test_predicted_hits_are_the_engines_hits(pd_node, auto):
+    url, log_path = auto
+    p, d = pd_node.spec.prefill_url, pd_node.spec.decode_url
+    await _settled(url, (p, d))
+    base = token_prompt(300, seed=4242)
+    chat = [{"role": "user", "content": "Tell me about the sea and the ships on it. " * 8}]
+    bodies = [
+        {"prompt": base}, {"prompt": base},  # the same prompt again: all but the last block
+        {"prompt": base + token_prompt(90, seed=4243)},  # one that extends it
+        {"prompt": "the block cache holds tokens " * 30},
+        {"prompt": "the block cache holds tokens " * 30 + "and more of them " * 10},
+    ]
+    before = {n: (metric(n, HITS), _predicted(url, n)) for n in (p, d)}
+    async with aiohttp.ClientSession() as http:
+        # Long decodes on D meanwhile (each within P's max_model_len: auto may ask P first),
+        # so that auto places some prompts on P too.
+        done = asyncio.Event()
+
+        async def decoding() -> None:
+            while not done.is_set():
+                await ask(http, url, {"model": "tiny", "prompt": token_prompt(20, seed=1),
+                                      "max_tokens": 900, "ignore_eos": True, "stream": True})
+        background = asyncio.create_task(decoding())
+        await asyncio.sleep(0.5)
+        for body in bodies:
+            status, text = await ask(http, url, {"model": "tiny", "max_tokens": 4,
+                                                 "temperature": 0, **body})
+            assert status == 200, text
+            await _settled(url, (p, d), busy=True)
+        for turn in range(3):  # a conversation whose every turn holds the last
+            async with http.post(url + "/v1/chat/completions", json={
+                    "model": "tiny", "messages": chat, "max_tokens": 6,
+                    "temperature": 0}) as r:
+                answer = await r.json()
+            assert r.status == 200, answer
+            chat += [{"role": "assistant",
+                      "content": answer["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"And turn {turn}, tell me more of it. " * 4}]
+            await _settled(url, (p, d), busy=True)
+        done.set()
+        await background
+    got = {n: (metric(n, HITS) - before[n][0], _predicted(url, n) - before[n][1])
+           for n in (p, d)}
+    print("engine hits vs predicted, per node:", got)
+    assert all(h > 0 for h, _ in got.values())  # the workload does hit, on both
+    for node, (hits, predicted) in got.items():
+        assert predicted == hits, (node, got)
+    assert " cached=" in log_text(log_path) and "cached=-" not in log_text(log_path).split(
+        "\n")[-2]
+    index = await _settled(url, (p, d))
+    assert all(r["usable"] and r["mismatched"] == 0 and r["verified"] > 0
+               for n in (p, d) for r in index[n].values()), index
+
+
+async def test_evictions_under_pressure_are_followed(pd_node, auto):
+    """D's cache overflows (distinct prompts sent to D directly): the first prompt's blocks
+    are evicted, and the index predicts no more of them than D then hits. D looks its cache
+    up whether the proxy places the prompt local or remote."""
+    url, _ = auto
+    d = pd_node.spec.decode_url
+    first = token_prompt(960, seed=77)
+    async with aiohttp.ClientSession() as http:
+        async def one(prompt: list[int]) -> None:
+            status, text = await ask(http, d, {"model": "tiny", "prompt": prompt,
+                                               "max_tokens": 1})
+            assert status == 200, text
+        await one(first)
+        index = await _settled(url, (d,))
+        blocks = index[d]["0"]["blocks"]
+        assert blocks >= 960 // 32
+        for start in range(0, 200, 4):  # well past D's KV (about 4,096 blocks of 32)
+            await asyncio.gather(*(one(token_prompt(960, seed=1000 + i))
+                                   for i in range(start, start + 4)))
+            index = await _settled(url, (d,))
+            if index[d]["0"]["blocks"] < blocks + (start + 4) * 30:
+                break  # evicting
+        else:
+            pytest.fail(f"D never evicted: {index}")
+    print(f"D evicting after {start + 4} prompts: {index[d]}")
+    hits, predicted = metric(d, HITS), _predicted(url, d)
+    async with aiohttp.ClientSession() as http:
+        status, text = await ask(http, url, {"model": "tiny", "prompt": first,
+                                             "max_tokens": 2, "temperature": 0})
+    assert status == 200, text
+    await _settled(url, (d,))
+    assert _predicted(url, d) - predicted == metric(d, HITS) - hits
