@@ -178,21 +178,48 @@ async def test_proxy_killed_mid_request_orphans_nothing(node, plain_server):
         await served_from_p(node, _body(i), expected[i])
 
 
-async def test_prefill_killed_while_idle_and_restarted_costs_no_wait(node, plain_server):
+async def test_prefill_killed_while_idle_and_restarted_costs_no_wait(node, plain_server,
+                                                                       tmp_path):
     """P dies while D has no pull in flight; its restart binds new side-channel ports. D
     must not send the next pulls to the dead addresses (each would wait recv_timeout_s, then
     be recomputed on D): every request after the restart is served with P's KV, none much
     slower than before."""
     expected = await _expected(plain_server, range(30, 38))
     await in_rotation(node, "prefill")
-    before = [await served_from_p(node, _body(i), expected[i]) for i in range(30, 34)]
-    _kill(node.prefill)
-    await _restart(node.prefill)
-    await in_rotation(node, "prefill", within=120)
-    after = [await served_from_p(node, _body(i), expected[i]) for i in range(30, 38)]
+    # An auto proxy beside the node's follows P's KV events: a restart drops what it knew
+    # of P's cache and follows the new engine's events (new ports).
+    auto, auto_url = second_proxy(node, tmp_path)
+    auto.start()
+    try:
+        auto.wait_healthy(60)
+        before = [await served_from_p(node, _body(i), expected[i]) for i in range(30, 34)]
+        known = await _p_index(auto_url, node, lambda r: r["blocks"] > 0)
+        _kill(node.prefill)
+        await _restart(node.prefill)
+        await in_rotation(node, "prefill", within=120)
+        after = [await served_from_p(node, _body(i), expected[i]) for i in range(30, 38)]
+        again = await _p_index(auto_url, node, lambda r: r["drops"] > known["drops"]
+                               and r["verified"] > 0 and r["blocks"] > 0)
+    finally:
+        auto.stop()
     print(f"before the restart {max(before):.2f} s at most, after {max(after):.2f} s")
     assert max(after) < max(before) + 2, after
+    assert again["usable"] and again["mismatched"] == 0, again
     await wait_no_blocks_held(node, within=60)
+
+
+async def _p_index(url: str, node, check, within: float = 30) -> dict:
+    """P's rank 0 in the proxy's prefix index once `check` holds."""
+    deadline = time.monotonic() + within
+    while True:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/status") as r:
+                prefix = (await r.json())["prefix"]
+        rank = prefix["nodes"].get(node.spec.prefill_url, {}).get("0")
+        if rank is not None and check(rank):
+            return rank
+        assert time.monotonic() < deadline, f"P's index: {prefix}"
+        await asyncio.sleep(0.3)
 
 
 async def test_decode_killed_mid_stream(node, plain_server):
