@@ -42,7 +42,12 @@ sys.path.insert(0, str(ROOT))
 from gitref import checkout  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
-from appliance.process import ServiceProcess, cpu_env, vllm_serve_argv  # noqa: E402
+from appliance.process import (  # noqa: E402
+    KV_EVENTS_FLAGS,
+    ServiceProcess,
+    cpu_env,
+    vllm_serve_argv,
+)
 from appliance.proxy.split import COMPLETIONS, decode_body, prefill_body  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
@@ -83,9 +88,11 @@ class Setup:
 
 def serve(name: str, model: Path, port: int, cpus: tuple[int, ...], log_dir: Path,
           kv_config: dict | None = None, env: dict | None = None) -> ServiceProcess:
+    # The appliance's P and D publish KV events for the proxy's prefix index, as pdctl's do.
+    events = KV_EVENTS_FLAGS if kv_config and kv_config["kv_connector"] == "PDConnector" else ()
     argv = vllm_serve_argv(model, port, served_model_name=SERVED, block_size=32,
                            max_model_len=4096,
-                           extra=(*FLAGS, *tinymodel.spec_of(model).serve_args),
+                           extra=(*FLAGS, *tinymodel.spec_of(model).serve_args, *events),
                            kv_transfer_config=json.dumps(kv_config) if kv_config else None)
     return ServiceProcess(name, argv, log_dir / f"{name}.log",
                           env={**cpu_env(",".join(map(str, cpus))), **(env or {})},

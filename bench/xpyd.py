@@ -1,5 +1,7 @@
-"""Requests per second and TTFT through the proxy for 1P1D, 2P1D and 1P2D in one run, and how
-long the proxy takes to notice a node removed or added.
+"""Requests per second and TTFT through the proxy for 1P1D, 2P1D and 1P2D in one run, how
+2P2D routes prompts that share prefixes by policy (round_robin, the SGLang gateway's
+cache-aware rule on the prefix index, and cache_aware, the default), and how long the proxy
+takes to notice a node removed or added.
 
     .venv/bin/python bench/xpyd.py [--rounds 2] [--requests 32] [--concurrency 8]
                                    [--skip-discovery]
@@ -12,6 +14,12 @@ way in every topology. Three proxies on d0 front 1P1D (p0, d0), 2P1D (p0, p1, d0
 of 64-448 tokens, 32 tokens out, ignore_eos). On this 2-core machine a second P or D shares
 its role's core, so more instances cannot add capacity here: the table shows what the extra
 routing costs, not GPU-host scaling.
+
+Routing (2P2D, every policy in front of the same four engines, taking turns, each round and
+policy with prefixes of its own so no setup finds another's in the caches): streams whose
+prompts are one of 8 shared prefixes (512 tokens) and a suffix of their own (64), 16 out;
+req/s, TTFT, and the prompt tokens the four engines computed (their prefix-cache queries
+less hits) per request.
 
 Noticing (static backends, the health poll: 2 s interval, down after 2 failures): p1
 frozen (SIGSTOP) until the 2P1D proxy has it out of rotation, then thawed until it is back.
@@ -49,10 +57,14 @@ HOSTS = [("p0", 1, {"prefill": [[0]]}), ("p1", 1, {"prefill": [[0]]}),
          ("d1", 2, {"decode": [[1]]}), ("d0", 2, {"decode": [[1]]})]  # the proxy on d0
 SHAPES = {"1P1D": (["p0"], ["d0"]), "2P1D": (["p0", "p1"], ["d0"]),
           "1P2D": (["p0"], ["d0", "d1"])}
+ALL = (["p0", "p1"], ["d0", "d1"])
+POLICIES = ("round_robin", "cache_aware_sglang", "cache_aware")
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
-def _proxy(cluster, shape: str, port: int, log_dir: Path) -> ServiceProcess:
-    """The rendered proxy's command with this shape's backends only."""
+def _proxy(cluster, shape: str, port: int, log_dir: Path,
+           policy: str | None = None) -> ServiceProcess:
+    """The rendered proxy's command with this shape's backends only (and `policy`)."""
     argv = cluster.services["d0/proxy"].argv
     command = argv[argv.index(sys.executable):]
     kept, skip = [], 0
@@ -64,7 +76,9 @@ def _proxy(cluster, shape: str, port: int, log_dir: Path) -> ServiceProcess:
             skip = 1
             continue
         kept.append(arg)
-    prefill, decode = SHAPES[shape]
+    prefill, decode = SHAPES.get(shape, ALL)
+    if policy is not None:
+        kept += ["--policy", policy]
     for name in prefill:
         ip = cluster.hosts[name].ip
         kept += ["--prefill", f"http://{ip}:8010,http://{ip}:8998"]
@@ -78,6 +92,54 @@ def _proxy(cluster, shape: str, port: int, log_dir: Path) -> ServiceProcess:
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, 1900) for _ in range(rng.randrange(64, 448))] for _ in range(n)]
+
+
+def _prefixed(n: int, seed: int, prefixes: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [[rng.randrange(10, 1900) for _ in range(512)] for _ in range(prefixes)]
+    return [shared[rng.randrange(prefixes)] + [rng.randrange(10, 1900) for _ in range(64)]
+            for _ in range(n)]
+
+
+def _computed(cluster) -> float:
+    """Prompt tokens the four engines computed so far (prefix-cache queries less hits)."""
+    urls = [f"http://{cluster.hosts[h].ip}:{port}" for h, port in
+            (("p0", 8010), ("p1", 8010), ("d0", 8020), ("d1", 8020))]
+    sums = cluster.driver("d0", {"op": "metrics", "urls": urls,
+                                 "series": [HITS, QUERIES]})["sums"]
+    return sum(s[QUERIES] - s[HITS] for s in sums.values())
+
+
+def routing_table(cluster, urls: dict[str, str], args) -> Table:
+    results: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    for r in range(args.rounds):
+        for i, policy in enumerate(POLICIES):
+            prompts = _prefixed(args.requests * 2, seed=5000 + 100 * r + i)
+            before = _computed(cluster)
+            out = cluster.driver("d0", {"op": "load", "proxy": urls[policy],
+                                        "prompts": prompts, "max_tokens": 16,
+                                        "concurrency": args.concurrency})
+            out["computed"] = (_computed(cluster) - before) / len(prompts)
+            out["n"] = len(prompts)
+            results[policy].append(out)
+            console.print(f"round {r + 1} 2P2D {policy}: {len(prompts) / out['wall_s']:.2f} "
+                          f"req/s, {out['computed']:.0f} tokens computed per request, "
+                          f"{out['errors']} errors")
+    table = Table(title=f"2P2D, prompts of 8 shared 512-token prefixes + 64 of their own, "
+                        f"16 out, concurrency {args.concurrency} (medians of rounds)")
+    for col in ("policy", "req/s", "TTFT p50 ms", "TTFT p99 ms", "computed tokens/request",
+                "errors", "req/s vs round_robin"):
+        table.add_column(col, justify="right")
+    base = None
+    for policy, runs in results.items():
+        rps = statistics.median(o["n"] / o["wall_s"] for o in runs)
+        base = base or rps
+        table.add_row(policy, f"{rps:.2f}",
+                      f"{statistics.median(_pct(o['ttft_s'], 0.5) for o in runs) * 1000:.0f}",
+                      f"{statistics.median(_pct(o['ttft_s'], 0.99) for o in runs) * 1000:.0f}",
+                      f"{statistics.median(o['computed'] for o in runs):.0f}",
+                      str(sum(o["errors"] for o in runs)), f"{rps / base:.2f}")
+    return table
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -142,6 +204,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--skip-discovery", action="store_true")
+    ap.add_argument("--skip-shapes", action="store_true",
+                    help="only the routing table (and noticing)")
     args = ap.parse_args()
     model = tinymodel.build(MODEL_CACHE / "tiny", "tiny")
     out = Path(tempfile.mkdtemp(prefix="pd-xpyd-bench-"))
@@ -155,14 +219,19 @@ def main() -> None:
             for port, shape in enumerate(SHAPES, start=8101):
                 proxies.append(_proxy(cluster, shape, port, out / "logs"))
                 urls[shape] = f"http://{by_name['d0'].ip}:{port}"
+            for port, policy in enumerate(POLICIES, start=8111):
+                proxies.append(_proxy(cluster, policy, port, out / "logs", policy))
+                urls[policy] = f"http://{by_name['d0'].ip}:{port}"
             try:
                 for p in proxies:
                     p.start()
                 for shape, url in urls.items():
-                    wait_ready(cluster, "d0", url, sum(map(len, SHAPES[shape])))
+                    wait_ready(cluster, "d0", url, sum(map(len, SHAPES.get(shape, ALL))))
                 cluster.driver("d0", {"op": "load", "proxy": urls["1P1D"], "max_tokens": 8,
                                       "prompts": _prompts(8, seed=7), "concurrency": 4})
-                Console().print(serve_table(cluster, urls, args))
+                if not args.skip_shapes:
+                    Console().print(serve_table(cluster, urls, args))
+                Console().print(routing_table(cluster, urls, args))
                 out_s, in_s = noticing(cluster, urls["2P1D"])
                 Console().print(f"health poll: a frozen P out of rotation after {out_s:.1f} "
                                 f"s, back in {in_s:.1f} s after it thawed")

@@ -54,6 +54,7 @@ from appliance.pdctl.config import (
 )
 from appliance.pdctl.errors import ConfigError
 from appliance.pdctl.sections import _Section
+from appliance.proxy.settings import RoutingPolicy
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
@@ -66,7 +67,7 @@ class ClusterHost(HostSection, InstanceLists):
 
 class ProxyPlacement(ProxySection):
     host: str
-    policy: Literal["round_robin", "least_outstanding"] = "round_robin"
+    policy: RoutingPolicy = "cache_aware"
 
 
 def _cidr(value: str) -> str:

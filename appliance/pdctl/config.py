@@ -37,6 +37,7 @@ from appliance.pdctl.sections import (  # noqa: F401 - re-exported: the config's
     _safe_path,
     _Section,
 )
+from appliance.proxy.settings import RoutingPolicy
 
 try:
     import tomllib
@@ -217,7 +218,7 @@ class ClusterPart(InstanceLists):
 
     cluster: str = ""  # the description it came from, for the reader
     proxy: bool = False  # the proxy runs here
-    policy: Literal["round_robin", "least_outstanding"] = "round_robin"
+    policy: RoutingPolicy = "cache_aware"
     # The proxy's backends (where it runs): P as "URL,BOOTSTRAP_URL", D as "URL".
     prefill_backends: list[str] = Field(default_factory=list)
     decode_backends: list[str] = Field(default_factory=list)

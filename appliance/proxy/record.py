@@ -66,11 +66,20 @@ class Record:
             self.route, self.request_id, self.transfer_id, self.prefill, self.decode,
             self.status, "-" if self.placed is None
             else f"{self.placed.where}:{self.placed.reason}",
-            "-" if self.prefix is None
-            else f"{self.cached_p}/{self.cached_d}/{self.prefix.tokens}",
+            self._cached(),
             _ms(self.prefill_s), _ms(self.ttfb_s), total * 1000,
             f" fallback={self.fallback}" if self.fallback else "",
             f" error={self.error!r}" if self.error else "")
+
+
+    def _cached(self) -> str:
+        """P's and D's cached prompt tokens of the prompt's, and what tokenizing it took."""
+        if self.prefix is None:
+            return "-"
+        out = f"{self.cached_p}/{self.cached_d}/{self.prefix.tokens}"
+        if self.prefix.tokenize_s:
+            out += f" tokenize_ms={self.prefix.tokenize_s * 1000:.1f}"
+        return out
 
 
 def _ms(seconds: float | None) -> str:

@@ -17,6 +17,8 @@ from appliance.netaddr import host_port
 
 # Adaptive disaggregation's policy (appliance.proxy.placement).
 Split = Literal["always", "never", "auto"]
+# Which P and D serve a request (appliance.proxy.routing).
+RoutingPolicy = Literal["round_robin", "least_outstanding", "cache_aware", "cache_aware_sglang"]
 
 DEFAULT_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -139,7 +141,9 @@ class ProxySettings(BaseModel):
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     prefill: list[PrefillNode] = Field(default_factory=list)
     decode: list[DecodeNode] = Field(default_factory=list)
-    policy: Literal["round_robin", "least_outstanding"] = "round_robin"
+    # cache_aware: by the prefix index, against load (appliance.proxy.routing); without the
+    # index, least outstanding.
+    policy: RoutingPolicy = "cache_aware"
 
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
@@ -331,7 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", action="append", metavar="URL[,BOOTSTRAP_URL]",
                    help="a prefill node (repeatable); bootstrap defaults to the host's :8998")
     p.add_argument("--decode", action="append", metavar="URL", help="a decode node (repeatable)")
-    p.add_argument("--policy", choices=["round_robin", "least_outstanding"])
+    p.add_argument("--policy", choices=list(RoutingPolicy.__args__),
+                   help="which P and D: cache_aware (default: the prefix index against load), "
+                        "cache_aware_sglang (SGLang's rule on the same index), round_robin, "
+                        "least_outstanding")
     p.add_argument("--health-interval", dest="health_interval_s", type=float,
                    metavar="SECONDS")
     p.add_argument("--health-timeout", dest="health_timeout_s", type=float,

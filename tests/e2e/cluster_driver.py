@@ -6,6 +6,8 @@
         -> {"answers": [[status, token ids or error text, seconds], ...]}
     {"op": "load", "proxy": URL, "prompts": [...], "max_tokens": N, "concurrency": C}
         -> {"wall_s": S, "ttft_s": [...], "errors": N}   (streams; bench/xpyd.py)
+    {"op": "metrics", "urls": [...], "series": [...]}
+        -> {"sums": {url: {series: sum over its labels}}}   (bench/xpyd.py)
 """
 
 from __future__ import annotations
@@ -105,7 +107,19 @@ async def load(args: dict) -> dict:
     return {"wall_s": wall, "ttft_s": ttfts, "errors": errors}
 
 
+async def metrics(args: dict) -> dict:
+    sums: dict[str, dict[str, float]] = {}
+    async with aiohttp.ClientSession() as http:
+        for url in args["urls"]:
+            async with http.get(f"{url}/metrics") as r:
+                text = await r.text()
+            sums[url] = {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                   if line.startswith((name + "{", name + " ")))
+                         for name in args["series"]}
+    return {"sums": sums}
+
+
 if __name__ == "__main__":
     request = json.loads(sys.argv[1])
-    op = {"ready": ready, "ask": ask, "load": load}[request["op"]]
+    op = {"ready": ready, "ask": ask, "load": load, "metrics": metrics}[request["op"]]
     print(json.dumps(asyncio.run(op(request))))

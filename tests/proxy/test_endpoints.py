@@ -125,7 +125,7 @@ async def test_status_document(make_cluster: MakeCluster) -> None:
     c = await make_cluster(n_prefill=2, dp_ranks=2)
     st = await c.status()
     assert st["ready"] is True and st["reason"] is None
-    assert st["policy"] == "round_robin" and st["fallback_to_decode"] is True
+    assert st["policy"] == "cache_aware" and st["fallback_to_decode"] is True
     assert st["in_flight"] == 0
     p0 = st["prefill"][0]
     assert p0["url"] == c.prefill[0].url and p0["bootstrap_url"] == c.bootstraps[0].url

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +29,13 @@ log = logging.getLogger("appliance.proxy.prefix")
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """A prompt's exact tokens and, per node URL, how many of them its cache holds."""
+    """A prompt's exact tokens and, per node URL, how many of them its cache holds (and
+    how many blocks the index knows it holds in all)."""
 
     tokens: int
     cached: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+    tokenize_s: float = 0.0  # what asking for the prompt's ids took (0: it was ids)
 
     def on(self, url: str) -> int:
         return self.cached.get(url, 0)
@@ -66,14 +70,17 @@ class PrefixCache:
         what = tokenize_body(body, route)
         if what is None:
             return None
+        started = time.monotonic()
         ids = what if isinstance(what, list) else await self._tokenize(ask, what)
         if ids is None:
             return None
+        took = time.monotonic() - started
         hashes = [hashing.external(h) for h in hashing.chain(ids, size, self.index.seed)]
         # vLLM computes a prompt's last token even when every block is cached.
         most = (len(ids) - 1) // size
         return Lookup(len(ids), {url: min(most, self.index.cached_blocks(url, hashes)) * size
-                                 for url in nodes})
+                                 for url in nodes},
+                      {url: self.index.blocks_held(url) for url in nodes}, took)
 
     async def _tokenize(self, url: str, what: dict[str, Any]) -> list[int] | None:
         try:

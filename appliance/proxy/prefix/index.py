@@ -152,6 +152,10 @@ class PrefixIndex:
             best = max(best, n)
         return best
 
+    def blocks_held(self, node: str) -> int:
+        return sum(len(s.blocks) for (url, _), s in self._sources.items()
+                   if url == node and s.usable)
+
     def has_blocks(self) -> bool:
         return any(src.blocks for src in self._sources.values() if src.usable)
 

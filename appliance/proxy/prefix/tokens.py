@@ -3,7 +3,7 @@
 Asking the engine (not a tokenizer in the proxy) keeps the ids exact by construction: the
 chat template, its kwargs, the tools, special tokens and the model's tokenizer are vLLM's
 own, and the proxy needs neither the model's files (it runs on another host in a cluster)
-nor transformers in its image. bench/tokenize.py measures what the call costs.
+nor transformers in its image. bench/tokenize_cost.py measures what the call costs.
 
 Prompts whose blocks hash with extra keys (cache_salt, images, LoRA adapters) or whose
 template depends on fields /tokenize does not take are not tokenized: nothing is predicted
