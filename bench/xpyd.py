@@ -17,9 +17,9 @@ routing costs, not GPU-host scaling.
 
 Routing (2P2D, every policy in front of the same four engines, taking turns, each round and
 policy with prefixes of its own so no setup finds another's in the caches): streams whose
-prompts are one of 8 shared prefixes (512 tokens) and a suffix of their own (64), 16 out;
-req/s, TTFT, and the prompt tokens the four engines computed (their prefix-cache queries
-less hits) per request.
+prompts are one of 16 shared prefixes (512 tokens) and a suffix of their own (64), 16 out;
+req/s, TTFT, and the prompt tokens the four engines computed per request (neither cached
+nor received as KV: vLLM's request_prefill_kv_computed_tokens).
 
 Noticing (static backends, the health poll: 2 s interval, down after 2 failures): p1
 frozen (SIGSTOP) until the 2P1D proxy has it out of rotation, then thawed until it is back.
@@ -30,6 +30,7 @@ the proxy knows it, marked not Ready until it is gone, through a real API server
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -59,7 +60,8 @@ SHAPES = {"1P1D": (["p0"], ["d0"]), "2P1D": (["p0", "p1"], ["d0"]),
           "1P2D": (["p0"], ["d0", "d1"])}
 ALL = (["p0", "p1"], ["d0", "d1"])
 POLICIES = ("round_robin", "cache_aware_sglang", "cache_aware")
-HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+# Prompt tokens an engine computed in prefills (neither in its cache nor received as KV).
+COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"
 
 
 def _proxy(cluster, shape: str, port: int, log_dir: Path,
@@ -94,7 +96,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 1900) for _ in range(rng.randrange(64, 448))] for _ in range(n)]
 
 
-def _prefixed(n: int, seed: int, prefixes: int = 8) -> list[list[int]]:
+def _prefixed(n: int, seed: int, prefixes: int = 16) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [[rng.randrange(10, 1900) for _ in range(512)] for _ in range(prefixes)]
     return [shared[rng.randrange(prefixes)] + [rng.randrange(10, 1900) for _ in range(64)]
@@ -102,12 +104,11 @@ def _prefixed(n: int, seed: int, prefixes: int = 8) -> list[list[int]]:
 
 
 def _computed(cluster) -> float:
-    """Prompt tokens the four engines computed so far (prefix-cache queries less hits)."""
+    """Prompt tokens the four engines computed so far."""
     urls = [f"http://{cluster.hosts[h].ip}:{port}" for h, port in
             (("p0", 8010), ("p1", 8010), ("d0", 8020), ("d1", 8020))]
-    sums = cluster.driver("d0", {"op": "metrics", "urls": urls,
-                                 "series": [HITS, QUERIES]})["sums"]
-    return sum(s[QUERIES] - s[HITS] for s in sums.values())
+    sums = cluster.driver("d0", {"op": "metrics", "urls": urls, "series": [COMPUTED]})["sums"]
+    return sum(s[COMPUTED] for s in sums.values())
 
 
 def routing_table(cluster, urls: dict[str, str], args) -> Table:
@@ -115,9 +116,11 @@ def routing_table(cluster, urls: dict[str, str], args) -> Table:
     for r in range(args.rounds):
         for i, policy in enumerate(POLICIES):
             prompts = _prefixed(args.requests * 2, seed=5000 + 100 * r + i)
+            file = Path(tempfile.mkdtemp(prefix="pd-xpyd-prompts-")) / "prompts.json"
+            file.write_text(json.dumps(prompts))  # more than one argument may hold
             before = _computed(cluster)
             out = cluster.driver("d0", {"op": "load", "proxy": urls[policy],
-                                        "prompts": prompts, "max_tokens": 16,
+                                        "prompts_file": str(file), "max_tokens": 16,
                                         "concurrency": args.concurrency})
             out["computed"] = (_computed(cluster) - before) / len(prompts)
             out["n"] = len(prompts)
@@ -125,7 +128,7 @@ def routing_table(cluster, urls: dict[str, str], args) -> Table:
             console.print(f"round {r + 1} 2P2D {policy}: {len(prompts) / out['wall_s']:.2f} "
                           f"req/s, {out['computed']:.0f} tokens computed per request, "
                           f"{out['errors']} errors")
-    table = Table(title=f"2P2D, prompts of 8 shared 512-token prefixes + 64 of their own, "
+    table = Table(title=f"2P2D, prompts of 16 shared 512-token prefixes + 64 of their own, "
                         f"16 out, concurrency {args.concurrency} (medians of rounds)")
     for col in ("policy", "req/s", "TTFT p50 ms", "TTFT p99 ms", "computed tokens/request",
                 "errors", "req/s vs round_robin"):

@@ -112,7 +112,9 @@ class Proxy:
         self.poller = HealthPoller(self.backends, self.session, self.settings, self.base_headers)
         self.poller.start()
         self.upstreams.start()
-        if self.settings.prefix_index and self.settings.split == "auto":
+        # The index serves auto's placement and the cache-aware routing policies.
+        if self.settings.prefix_index and (self.settings.split == "auto"
+                                           or self.settings.policy.startswith("cache_aware")):
             s = self.settings
             self.prefix = PrefixCache(self.session, self.base_headers,
                                       lambda: [b.url for b in self.backends.all()],

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.proxy.split import CHAT, prefill_body, pull_params
+from appliance.proxy.split import CHAT, prefill_body, pull_params, text_only
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -83,7 +83,7 @@ def ineligible(body: dict[str, Any], route: str) -> str | None:
     if not isinstance(body.get("min_tokens", 0) or 0, int):
         return "min_tokens"
     if route == CHAT:
-        if not all(_text_only(m) for m in body["messages"]):
+        if not all(text_only(m) for m in body["messages"]):
             return "non-text message content"
     else:
         prompt = body["prompt"]
@@ -117,15 +117,6 @@ def _max_tokens(body: dict[str, Any], route: str) -> Any:
         return body["max_completion_tokens"]
     return body.get("max_tokens")
 
-
-def _text_only(message: Any) -> bool:
-    if not isinstance(message, dict):
-        return False
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return True
-    return isinstance(content, list) and all(
-        isinstance(part, dict) and part.get("type") == "text" for part in content)
 
 
 def prefill_request(body: dict[str, Any], route: str, transfer_id: str) -> dict[str, Any]:

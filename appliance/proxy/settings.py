@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from appliance import keys
 from appliance.netaddr import host_port
+from appliance.proxy.k8s_settings import DEFAULT_BOOTSTRAP_PORT, KubernetesSettings, http_url
 
 # Adaptive disaggregation's policy (appliance.proxy.placement).
 Split = Literal["always", "never", "auto"]
@@ -21,23 +22,16 @@ Split = Literal["always", "never", "auto"]
 RoutingPolicy = Literal["round_robin", "least_outstanding", "cache_aware", "cache_aware_sglang"]
 
 DEFAULT_PORT = 8000
-DEFAULT_BOOTSTRAP_PORT = 8998
 API_KEYS_ENV = "APPLIANCE_PROXY_API_KEYS"
-# Where Kubernetes mounts a pod's service account: its namespace, token and cluster CA.
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-def _http_url(value: str, schemes: tuple[str, ...] = ("http", "https")) -> str:
-    parts = urlsplit(value.strip())
-    if parts.scheme not in schemes or not parts.hostname:
-        raise ValueError(f"expected a {'/'.join(schemes)}://host[:port] URL, got {value!r}")
-    return value.strip().rstrip("/")
+
 
 
 def _node_url(value: str) -> str:
     # http:// on one host or a private network; https:// (vLLM's --ssl-certfile) when the
     # proxy reaches P or D across a network others share (see upstream_ca_file).
-    return _http_url(value)
+    return http_url(value)
 
 
 class PrefillNode(BaseModel):
@@ -56,7 +50,7 @@ class PrefillNode(BaseModel):
     @classmethod
     def _bootstrap(cls, v: str, info: ValidationInfo) -> str:
         if v:
-            return _http_url(v)
+            return http_url(v)
         # Default: the sidecar on P's host at the MooncakeConnector's standard port.
         base = urlsplit(info.data.get("url", ""))
         return f"http://{host_port(base.hostname or '', DEFAULT_BOOTSTRAP_PORT)}"
@@ -73,63 +67,6 @@ class DecodeNode(BaseModel):
         return _node_url(v)
 
 
-class KubernetesSettings(BaseModel):
-    """`--discovery kubernetes`: P and D are the Ready pods these label selectors match
-    (appliance.proxy.discovery). Unset namespace and API server are filled in from the
-    pod's service account and environment when discovery is kubernetes."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    namespace: str | None = None
-    prefill_selector: str | None = None  # e.g. app.kubernetes.io/component=prefill
-    decode_selector: str | None = None
-    prefill_port: int = Field(8010, ge=1, le=65535)
-    decode_port: int = Field(8020, ge=1, le=65535)
-    bootstrap_port: int = Field(DEFAULT_BOOTSTRAP_PORT, ge=1, le=65535)
-    api_server: str | None = None
-    # Re-read when it changes: bound service account tokens rotate.
-    token_file: str = f"{SERVICE_ACCOUNT_DIR}/token"
-    ca_file: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
-    # A failed list or watch is retried after a back-off doubling up to this (no flag).
-    retry_max_s: float = Field(30.0, gt=0)
-    # Watches are ended by the server after this long and resumed (no flag).
-    watch_timeout_s: int = Field(240, ge=1)
-
-    @field_validator("prefill_selector", "decode_selector", "namespace")
-    @classmethod
-    def _not_blank(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():
-            raise ValueError("must not be empty")
-        return None if v is None else v.strip()
-
-    @field_validator("api_server")
-    @classmethod
-    def _api_url(cls, v: str | None) -> str | None:
-        return None if v is None else _http_url(v)
-
-    def resolve(self, environ: Mapping[str, str]) -> None:
-        """Fill in what was left to the pod: raises ValueError with one line when it
-        cannot, and when a selector is missing."""
-        missing = [f"--k8s-{r}-selector" for r in ("prefill", "decode")
-                   if getattr(self, f"{r}_selector") is None]
-        if missing:
-            raise ValueError(f"--discovery kubernetes needs {' and '.join(missing)}")
-        if self.namespace is None:
-            path = Path(SERVICE_ACCOUNT_DIR) / "namespace"
-            try:
-                self.namespace = path.read_text().strip()
-            except OSError as exc:
-                raise ValueError(f"no --k8s-namespace and {path} unreadable "
-                                 f"({exc.strerror})") from None
-        if self.api_server is None:
-            host = environ.get("KUBERNETES_SERVICE_HOST")
-            if not host:
-                raise ValueError("no --k8s-api-server and KUBERNETES_SERVICE_HOST is not set "
-                                 "(not in a pod?)")
-            port = int(environ.get("KUBERNETES_SERVICE_PORT") or 443)
-            self.api_server = f"https://{host_port(host, port)}"
-
-
 class ProxySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -142,7 +79,7 @@ class ProxySettings(BaseModel):
     prefill: list[PrefillNode] = Field(default_factory=list)
     decode: list[DecodeNode] = Field(default_factory=list)
     # cache_aware: by the prefix index, against load (appliance.proxy.routing); without the
-    # index, least outstanding.
+    # index, round robin.
     policy: RoutingPolicy = "cache_aware"
 
     health_interval_s: float = Field(2.0, gt=0)

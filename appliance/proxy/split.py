@@ -125,3 +125,14 @@ def prefill_prompt_tokens(raw: bytes) -> int | None:
     """The prompt's tokens as P counted them (its usage), or None."""
     a = _answer(raw)
     return a.usage.prompt_tokens if a is not None and a.usage is not None else None
+
+
+def text_only(message: Any) -> bool:
+    """A chat message whose content is text alone (a string or text parts)."""
+    if not isinstance(message, dict):
+        return False
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" for part in content)

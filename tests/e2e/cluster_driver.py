@@ -5,7 +5,8 @@
     {"op": "ask", "proxy": URL, "prompts": [...], "max_tokens": N, "concurrency": C}
         -> {"answers": [[status, token ids or error text, seconds], ...]}
     {"op": "load", "proxy": URL, "prompts": [...], "max_tokens": N, "concurrency": C}
-        -> {"wall_s": S, "ttft_s": [...], "errors": N}   (streams; bench/xpyd.py)
+        -> {"wall_s": S, "ttft_s": [...], "errors": N}   (streams; bench/xpyd.py; "prompts"
+        may be "prompts_file": a JSON file of them, for more than one argument holds)
     {"op": "metrics", "urls": [...], "series": [...]}
         -> {"sums": {url: {series: sum over its labels}}}   (bench/xpyd.py)
 """
@@ -16,6 +17,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
@@ -99,10 +101,11 @@ async def load(args: dict) -> dict:
             else:
                 ttfts.append(first)
 
+    prompts = args.get("prompts") or json.loads(Path(args["prompts_file"]).read_text())
     timeout = aiohttp.ClientTimeout(total=args.get("timeout", 600))
     async with aiohttp.ClientSession(timeout=timeout) as http:
         start = time.monotonic()
-        await asyncio.gather(*(one(http, p) for p in args["prompts"]))
+        await asyncio.gather(*(one(http, p) for p in prompts))
         wall = time.monotonic() - start
     return {"wall_s": wall, "ttft_s": ttfts, "errors": errors}
 

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from appliance.proxy import settings as proxy_settings
+from appliance.proxy import k8s_settings as proxy_k8s
 from appliance.proxy.__main__ import main
 from appliance.proxy.backends import Backends
 from appliance.proxy.discovery import KubernetesDiscovery
@@ -277,7 +277,7 @@ def test_kubernetes_flags(tmp_path: Path) -> None:
 
 def test_namespace_defaults_to_the_pods_own(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "namespace").write_text("serving\n")
-    monkeypatch.setattr(proxy_settings, "SERVICE_ACCOUNT_DIR", str(tmp_path))
+    monkeypatch.setattr(proxy_k8s, "SERVICE_ACCOUNT_DIR", str(tmp_path))
     s = load_settings(["--discovery", "kubernetes", "--k8s-prefill-selector", "a=p",
                        "--k8s-decode-selector", "a=d", "--k8s-api-server", "http://k:8080"],
                       environ={})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.proxy.split import CHAT
+from appliance.proxy.split import CHAT, text_only
 
 # Chat fields /tokenize takes and that change the rendered prompt.
 _CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
@@ -32,7 +32,7 @@ def tokenize_body(body: dict[str, Any], route: str) -> dict[str, Any] | list[int
     model = body.get("model")
     if route == CHAT:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not all(_text_only(m) for m in messages):
+        if not isinstance(messages, list) or not all(text_only(m) for m in messages):
             return None
         out: dict[str, Any] = {"model": model, "messages": messages}
         out |= {k: body[k] for k in _CHAT_FIELDS if k in body}
@@ -47,15 +47,6 @@ def tokenize_body(body: dict[str, Any], route: str) -> dict[str, Any] | list[int
         return out
     return None  # several prompts, or none
 
-
-def _text_only(message: Any) -> bool:
-    if not isinstance(message, dict):
-        return False
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return True
-    return isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" for p in content)
 
 
 def token_ids(answer: Any) -> list[int] | None:
