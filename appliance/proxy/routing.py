@@ -2,9 +2,11 @@
 
 - `round_robin`, `least_outstanding`: by turn, by requests in flight;
 - `cache_aware` (the default): with the prefix index's lookup (appliance.proxy.prefix), the
-  node that has the least to compute for this prompt, against its load. P: the fewest
-  prompt tokens to prefill, its queued prefill work included (P's time to the first token
-  grows with that work, on the line the placement fits). D: among the decode nodes whose
+  node that has the least to compute for this prompt, against its load. P: the least of its
+  queued prefill work plus twice the prompt tokens it would compute (P's time to the first
+  token grows with both; what it computes also takes capacity from every later request, so
+  a P caching the prompt keeps it until its queue outweighs the work saved). D: among the
+  decode nodes whose
   requests in flight are within a band of the least loaded (D's load is its decodes: each
   one it takes slows every step), the one caching most of the prompt; ties go round.
   Without a lookup (index off, a short prompt) it is round robin;
@@ -78,8 +80,10 @@ class CacheAwarePrefill(_Rotating):
         order = self._rotated(candidates)
         if lookup is None:
             return order[0]
-        return min(order, key=lambda b: (b.prefill_tokens + lookup.tokens - lookup.on(b.url),
-                                         b.in_flight))
+        # Its own work counts twice: once in its wait, once in the capacity it takes from
+        # the requests behind it (a prefix computed again on another P is work done twice).
+        return min(order, key=lambda b: (
+            b.prefill_tokens + 2 * (lookup.tokens - lookup.on(b.url)), b.in_flight))
 
 
 class CacheAwareDecode(_Rotating):

@@ -41,10 +41,10 @@ def test_decode_goes_where_the_prompt_is_cached_within_the_load_band():
 
 
 def test_prefill_goes_where_least_is_left_to_compute():
-    p = _nodes("prefill", 0, 0, queued=(0, 600))
-    # prefill1 caches the whole prompt but has 600 tokens queued: 600 > 512 - 0.
+    p = _nodes("prefill", 0, 0, queued=(0, 1000))
+    # prefill1 caches the prompt but has 1,000 tokens queued: 1000 + 2 x 32 > 2 x 512.
     assert CacheAwarePrefill().pick(p, _lookup(512, prefill1=480)).url == "http://prefill0"
-    p[1].prefill_tokens = 100
+    p[1].prefill_tokens = 900  # 900 + 64 < 1024: the saved work outweighs the queue
     assert CacheAwarePrefill().pick(p, _lookup(512, prefill1=480)).url == "http://prefill1"
 
 
