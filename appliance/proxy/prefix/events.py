@@ -87,7 +87,10 @@ class KVEvents:
 
     async def _run(self) -> None:
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one round
+                log.exception("prefix index: reading the nodes' event sources failed")
             await asyncio.sleep(self.resync_s)
 
     async def refresh(self) -> None:
@@ -127,6 +130,18 @@ class KVEvents:
             t.cancel()
 
     async def _follow(self, src: Source, ep: Endpoints) -> None:
+        """One engine rank's events, for as long as its sources stay: a failure drops what
+        it held (nothing heard since may have been evicted) and subscribes again."""
+        while True:
+            try:
+                await self._subscribed(src, ep)
+            except (zmq.ZMQError, OSError) as exc:
+                log.warning("prefix index: %s rank %d: events failed (%s); subscribing "
+                            "again", src.node, src.rank, exc)
+                self.index.drop(src.node, "its event stream failed", src.rank)
+                await asyncio.sleep(self.resync_s)
+
+    async def _subscribed(self, src: Source, ep: Endpoints) -> None:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
