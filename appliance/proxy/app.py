@@ -69,7 +69,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.poller: HealthPoller | None = None
         self.discovery: KubernetesDiscovery | None = None
-        self.prefix: PrefixCache | None = None  # the prefix index, when auto places
+        self.prefix: PrefixCache | None = None  # the prefix index: auto or cache-aware routing
         self.base_headers: dict[str, str] = {}
         if settings.backend_api_key:
             self.base_headers["Authorization"] = f"Bearer {settings.backend_api_key}"
