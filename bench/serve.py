@@ -128,6 +128,28 @@ def decisions(url: str) -> dict[str, float]:
     return out
 
 
+def _sums(url: str, series: str, by_backend: bool = False) -> dict[str, float]:
+    """A series summed over its labels at `url` (per `backend` label when asked)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith((series + "{", series + " ")):
+            key = line.split('backend="', 1)[1].split('"', 1)[0] if by_backend else url
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def index_accuracy(setup: Setup) -> str:
+    """The prefix index's predicted cached tokens against what P's and D's engines hit, for
+    the requests of this setup's proxy (its engines serve no one else)."""
+    predicted = _sums(setup.proxy_url or "", "pd_proxy_prefix_predicted_hits_total", True)
+    parts = []
+    for role, url in (("P", setup.prefill_url), ("D", setup.decode_url)):
+        hits = sum(_sums(url or "", "vllm:prefix_cache_hits_total").values())
+        parts.append(f"{role} predicted {predicted.get(url or '', 0):.0f} of {hits:.0f} hit")
+    return "; ".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,6 +186,7 @@ def main() -> None:
             auto = next(s for s in setups if s.name == "auto")
             assert auto.proxy_url is not None
             placed = decisions(auto.proxy_url)
+            console.log(f"{name}: prefix index, auto: {index_accuracy(auto)}")
         finally:
             for setup in reversed(started):
                 setup.stop()

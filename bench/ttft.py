@@ -157,7 +157,8 @@ def appliance_setup(model: Path, log_dir: Path, split: str = "always",
                           "--decode", str(servers.decode_url), "--no-log-requests",
                           "--split", split],
         log_dir / f"{name}-proxy.log", health_url=f"http://127.0.0.1:{port}/health")
-    return Setup(name, [*servers.services, proxy], proxy_url=f"http://127.0.0.1:{port}")
+    return Setup(name, [*servers.services, proxy], proxy_url=f"http://127.0.0.1:{port}",
+                 prefill_url=servers.prefill_url, decode_url=servers.decode_url)
 
 
 def builtin_setup(model: Path, log_dir: Path) -> Setup:
