@@ -220,3 +220,35 @@ async def test_a_gap_replay_cannot_fill_drops_the_engine(node, events):
         assert index.cached_blocks(node.url, _ext([3] * 8)) == 2
     finally:
         pub.close()
+
+
+async def test_a_failed_stream_drops_its_engine_and_subscribes_again(node, events,
+                                                                    monkeypatch):
+    ev, index = events
+    pub = WirePublisher()
+    real = KVEvents._subscribed
+    calls = []
+
+    async def flaky(self, src, ep):
+        calls.append(1)
+        if len(calls) == 1:  # the first subscription to the new sources fails
+            raise zmq.ZMQError(zmq.ETERM)
+        await real(self, src, ep)
+
+    try:
+        node.sources = pub.sources
+        ev.start()
+        await _serving(pub, lambda: (pub.publish(_batch(PROMPT[:4])) or True)
+                       and index.cached_blocks(node.url, _ext(PROMPT)) == 1)
+        monkeypatch.setattr(KVEvents, "_subscribed", flaky)
+        # A restart's new sources: the failing subscription, then a good one.
+        again = WirePublisher()
+        node.sources = again.sources
+        src = index.source(node.url, 0)
+        await _serving(again, lambda: len(calls) >= 2 and src.drops >= 2)
+        assert index.cached_blocks(node.url, _ext(PROMPT)) == 0
+        await _serving(again, lambda: (again.publish(_batch(PROMPT)) or True)
+                       and index.cached_blocks(node.url, _ext(PROMPT)) == 4)
+        again.close()
+    finally:
+        pub.close()
