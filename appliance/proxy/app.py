@@ -254,7 +254,7 @@ class Proxy:
         if (not rec.local and rec.fallback is None and rec.prefilled_at is not None
                 and rec.decode_first_at is not None and rec.status == 200):
             # Only the blocks D lacks move.
-            handoff = ((rec.prompt_tokens or rec.placed.tokens) - rec.cached_d,
+            handoff = ((rec.prompt_tokens or rec.placed.tokens) - rec.placed.cached_d,
                        rec.decode_first_at - rec.prefilled_at)
         self.placement.learned(rec.route, rec.prompt_chars, rec.prompt_tokens, handoff,
                                rec.step_s)
@@ -275,8 +275,9 @@ class Proxy:
         if why is not None:
             raise ProxyError(503, why)
         prefills = self.backends.ready_prefill()
+        size = self.placement.tokens(body, rec.route)  # (estimated tokens, characters)
         if prefills and self.prefix is not None:
-            rec.prefix = await self._lookup(body, rec, prefills)
+            rec.prefix = await self._lookup(body, rec, prefills, size[0])
         d = await self.admission.admit(
             self.backends.ready_decode, lambda ds: self.router.pick_decode(ds, rec.prefix))
         serving: Backend | None = None  # the node that decodes: counted in its `decodes`
@@ -286,7 +287,7 @@ class Proxy:
                 d.decodes += 1
                 return await self.exchange.plain(request, rec, body, d, "no_prefill")
             p = self.router.pick_prefill(prefills, rec.prefix)
-            rec.placed, rec.ticket, rec.prompt_chars = self._place(body, rec, p, d)
+            rec.placed, rec.ticket, rec.prompt_chars = self._place(body, rec, p, d, size)
             serving = p if rec.placed.on_prefill else d
             serving.decodes += 1
             if serving is p:  # P holds the request: drains, leaves and routing see it
@@ -307,7 +308,7 @@ class Proxy:
             self.admission.release(d)
 
     async def _lookup(self, body: dict[str, Any], rec: Record,
-                      prefills: list[PrefillBackend]) -> Lookup | None:
+                      prefills: list[PrefillBackend], estimate: int) -> Lookup | None:
         """The prompt's cached share on every node in rotation, from the prefix index, before
         P and D are picked by it. Its ids come from the least busy D's /tokenize: a D must
         answer the request anyway, where a frozen P would hold every request for
@@ -317,25 +318,25 @@ class Proxy:
         decodes = self.backends.ready_decode()
         if not decodes:
             return None
-        estimate, _ = self.placement.tokens(body, rec.route)
         ask = min(decodes, key=lambda b: (b.in_flight, b.decodes))
         return await self.prefix.lookup(body, rec.route, estimate, ask.url,
                                         [b.url for b in (*prefills, *decodes)])
 
-    def _place(self, body: dict[str, Any], rec: Record, p: Backend,
-               d: Backend) -> tuple[Decision, Ticket, int]:
+    def _place(self, body: dict[str, Any], rec: Record, p: Backend, d: Backend,
+               size: tuple[int, int]) -> tuple[Decision, Ticket, int]:
         """The placement's decision, with each node's cached share of the prompt when the
-        prefix index told it; counted per node that computes the prompt."""
-        if rec.prefix is not None:
-            rec.cached_p, rec.cached_d = rec.prefix.on(p.url), rec.prefix.on(d.url)
-        placed = self.placement.choose(body, rec.route, p, d, rec.prefix)
+        prefix index told it; the prediction counted for each node that computes the
+        prompt (P alone, D alone, or both: D looks its cache up for a remote one too)."""
+        placed = self.placement.choose(body, rec.route, p, d, rec.prefix, size)
         decision = placed[0]
-        tokens = decision.tokens
-        computing = ((p, rec.cached_p),) if decision.on_prefill else \
-            ((d, rec.cached_d),) if decision.local else ((p, rec.cached_p), (d, rec.cached_d))
+        computing: list[tuple[Backend, int]] = []
+        if decision.where != "local":
+            computing.append((p, decision.cached_p))
+        if decision.where != "p_alone":
+            computing.append((d, decision.cached_d))
         for node, cached in computing:
             self.metrics.prefix_hits.labels(node.role, node.url).inc(cached)
-            self.metrics.prefix_queries.labels(node.role, node.url).inc(tokens)
+            self.metrics.prefix_queries.labels(node.role, node.url).inc(decision.tokens)
         return placed
 
     def route_handler(self, route: str) -> Any:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from appliance.proxy.backends import Backend
@@ -78,6 +78,9 @@ class Decision:
     # balance: P alone, as D decodes more requests than P and P's prefills are short.
     reason: str
     tokens: int = 0
+    # The prompt's tokens P's and D's caches hold (the prefix index; 0: not predicted).
+    cached_p: int = 0
+    cached_d: int = 0
 
     @property
     def local(self) -> bool:
@@ -250,17 +253,18 @@ class Placement:
         return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit)
 
     def choose(self, body: dict[str, Any], route: str, p: Backend, d: Backend,
-               prefix: Lookup | None = None) -> tuple[Decision, Ticket, int]:
+               prefix: Lookup | None = None,
+               size: tuple[int, int] | None = None) -> tuple[Decision, Ticket, int]:
         """The decision, the ticket of the prefill it sends (to D for local, else to P),
-        and the prompt's characters."""
-        estimate, chars = self.tokens(body, route)
+        and the prompt's characters. `size`: `tokens(body, route)` when already known."""
+        estimate, chars = self.tokens(body, route) if size is None else size
         tokens = estimate if prefix is None else prefix.tokens
         cached_p = 0 if prefix is None else prefix.on(p.url)
         cached_d = 0 if prefix is None else prefix.on(d.url)
         now = time.monotonic()
         e = (self.estimates(tokens, p, d, now, cached_p, cached_d) if self.split == "auto"
              else Estimates(tokens, None, None, 0, None))
-        decision = decide(self.split, e)
+        decision = replace(decide(self.split, e), cached_p=cached_p, cached_d=cached_d)
         self._prompts.append(tokens - cached_p)
         key = (decision.where, decision.reason)
         self.counts[key] = self.counts.get(key, 0) + 1

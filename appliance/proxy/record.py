@@ -39,8 +39,6 @@ class Record:
     ticket: Ticket | None = None
     # The prompt's exact tokens and each node's cached share (None: not predicted).
     prefix: Lookup | None = None
-    cached_p: int = 0
-    cached_d: int = 0
     prompt_chars: int = 0
     prompt_tokens: int | None = None
     prefilled_at: float | None = None
@@ -71,12 +69,11 @@ class Record:
             f" fallback={self.fallback}" if self.fallback else "",
             f" error={self.error!r}" if self.error else "")
 
-
     def _cached(self) -> str:
         """P's and D's cached prompt tokens of the prompt's, and what tokenizing it took."""
-        if self.prefix is None:
+        if self.prefix is None or self.placed is None:
             return "-"
-        out = f"{self.cached_p}/{self.cached_d}/{self.prefix.tokens}"
+        out = f"{self.placed.cached_p}/{self.placed.cached_d}/{self.prefix.tokens}"
         if self.prefix.tokenize_s:
             out += f" tokenize_ms={self.prefix.tokenize_s * 1000:.1f}"
         return out

@@ -25,9 +25,6 @@ DEFAULT_PORT = 8000
 API_KEYS_ENV = "APPLIANCE_PROXY_API_KEYS"
 
 
-
-
-
 def _node_url(value: str) -> str:
     # http:// on one host or a private network; https:// (vLLM's --ssl-certfile) when the
     # proxy reaches P or D across a network others share (see upstream_ca_file).
