@@ -19,30 +19,57 @@ from typing import Any
 import aiohttp
 
 
-async def _answer(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
-    """The text of one completion or chat answer, streamed or not; raises on any failure."""
+class Failed(RuntimeError):
+    """One request's failure, with the proxy's request id (to find it in the pods' logs)."""
+
+    def __init__(self, message: str, request_id: str | None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+async def _answer(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                  want: str) -> None:
+    """One completion or chat answer, streamed or not, checked against `want`; raises
+    Failed (naming the proxy's request id) on any failure."""
     chat = url.endswith("/chat/completions")
     async with http.post(url, json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-        if not body.get("stream"):
-            choice = (await r.json())["choices"][0]
-            return choice["message"]["content"] if chat else choice["text"]
-        pieces, done = [], False
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
-                for choice in event.get("choices", []):
-                    pieces.append((choice.get("delta") or {}).get("content") or ""
-                                  if chat else choice.get("text") or "")
-        if not done:
-            raise RuntimeError("the stream ended without [DONE]")
-        return "".join(pieces)
+        rid = r.headers.get("X-Request-Id")
+        try:
+            got, detail = await _text(r, body, chat)
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError,
+                KeyError) as exc:
+            raise Failed(f"request_id={rid} {type(exc).__name__}: {exc}", rid) from exc
+        if got != want:
+            raise Failed(f"request_id={rid} answer differs ({detail}): {got!r} != {want!r}",
+                         rid)
+
+
+async def _text(r: aiohttp.ClientResponse, body: dict[str, Any], chat: bool
+                ) -> tuple[str, str]:
+    """The answer's text and, for a plain JSON one, its finish reason and token count."""
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+    if not body.get("stream"):
+        data = await r.json()
+        choice = data["choices"][0]
+        detail = (f"finish_reason={choice.get('finish_reason')} "
+                  f"usage={data.get('usage')}")
+        return (choice["message"]["content"] if chat else choice["text"]), detail
+    pieces, done = [], False
+    async for raw in r.content:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            for choice in event.get("choices", []):
+                pieces.append((choice.get("delta") or {}).get("content") or ""
+                              if chat else choice.get("text") or "")
+    if not done:
+        raise RuntimeError("the stream ended without [DONE]")
+    return "".join(pieces), "stream"
 
 
 @dataclass
@@ -50,6 +77,7 @@ class Outcome:
     sent: int = 0
     failures: list[str] = field(default_factory=list)
     failed_at: list[float] = field(default_factory=list)  # time.monotonic() of each failure
+    failed_ids: list[str | None] = field(default_factory=list)  # the proxy's X-Request-Id
     latencies: list[float] = field(default_factory=list)
 
     @property
@@ -110,14 +138,12 @@ class RequestLoop:
                 out.sent += 1
                 start = time.monotonic()
                 try:
-                    got = await _answer(http, self.proxy + path, body)
-                    if got != want:
-                        raise RuntimeError(f"answer differs: {got!r} != {want!r}")
-                except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError,
-                        KeyError) as exc:
+                    await _answer(http, self.proxy + path, body, want)
+                except (Failed, aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     out.failures.append(f"{path} stream={bool(body.get('stream'))}: "
-                                        f"{type(exc).__name__}: {exc}"[:300])
+                                        f"{type(exc).__name__}: {exc}"[:400])
                     out.failed_at.append(time.monotonic())
+                    out.failed_ids.append(getattr(exc, "request_id", None))
                 out.latencies.append(time.monotonic() - start)
 
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)

@@ -114,9 +114,24 @@ class _Timeline:
         merged = sorted(self.events + [(t - self.begin, f"FAILED {f}") for t, f
                                        in zip(out.failed_at, out.failures, strict=True)])
         lines = [f"{t:7.1f} s  {what}" for t, what in merged]
+        logs = {**self._current_logs(), **self.logs}
+        for rid in filter(None, out.failed_ids):
+            lines.append(f"--- what the pods logged about {rid}:")
+            lines += [f"{name}: {line}" for name, log in logs.items()
+                      for line in log.splitlines() if rid in line]
         for name, log in self.logs.items():
             lines.append(f"--- {name} (its last lines):\n{log[-3000:]}")
         return "\n".join(lines)
+
+    def _current_logs(self) -> dict[str, str]:
+        """Every container's log of the release's pods now (the proxy's access lines name
+        each request id)."""
+        got = {}
+        for p in list_pods(self.cp, f"app.kubernetes.io/instance={RELEASE}"):
+            name = p["metadata"]["name"]
+            for c in p["spec"]["containers"]:
+                got[f"{name}/{c['name']}"] = self.node.pod_log(NS, name, c["name"])
+        return got
 
 
 def _run(release: dict, name: str, event: Callable[[], None],
