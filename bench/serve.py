@@ -117,15 +117,27 @@ def _row(results: list[dict]) -> dict[str, float]:
     return row
 
 
-def decisions(url: str) -> dict[str, float]:
-    """The proxy's placement counts so far: {"remote": n, "local": m, "p_alone": k}."""
+def decisions(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The proxy's placement counts so far: ({"remote": n, "local": m, "p_alone": k},
+    {"remote/itl_budget": n, ...} by reason)."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     out = {"remote": 0.0, "local": 0.0, "p_alone": 0.0}
+    why: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("pd_proxy_split_decisions_total{"):
             where = line.split('decision="', 1)[1].split('"', 1)[0]
-            out[where] = out.get(where, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            n = float(line.rsplit(" ", 1)[1])
+            out[where] = out.get(where, 0.0) + n
+            why[f"{where}/{reason}"] = why.get(f"{where}/{reason}", 0.0) + n
+    return out, why
+
+
+def placement_state(url: str) -> str:
+    """What auto weighed at the end (its ITL budget and fitted lines), from /status."""
+    status = json.loads(urllib.request.urlopen(url + "/status", timeout=10).read())
+    split = status.get("split") or {}
+    return json.dumps({k: split.get(k) for k in ("itl_budget_ms", "prefill", "handoff")})
 
 
 def _sums(url: str, series: str, by_backend: bool = False) -> dict[str, float]:
@@ -185,7 +197,10 @@ def main() -> None:
                         bench_serve(url, model, work, 1000 + rnd, out, args.quick))
             auto = next(s for s in setups if s.name == "auto")
             assert auto.proxy_url is not None
-            placed = decisions(auto.proxy_url)
+            placed, why = decisions(auto.proxy_url)
+            console.log(f"{name}: auto's decisions by reason: "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(why.items())))
+            console.log(f"{name}: auto's estimates: {placement_state(auto.proxy_url)}")
             console.log(f"{name}: prefix index, auto: {index_accuracy(auto)}")
         finally:
             for setup in reversed(started):

@@ -9,8 +9,9 @@ the exchange picks a path.
 Policy `split`: `always` (every request remote), `never` (every one local) or `auto`: the
 sooner of the two by the node's own measurements, unless a local prefill would stall D's
 running decodes past the ITL budget; P serves whole requests while D decodes more of them
-than P does and every recent prompt's prefill fits the budget (a P that is asked for long
-prefills decodes nothing, so they stall no one). What `auto` weighs (appliance.proxy.costmodel):
+than P does and every recent prompt's prefill is short (within twice the budget; a P that
+is asked for long prefills decodes nothing, so they stall no one). What `auto` weighs
+(appliance.proxy.costmodel):
 
 - the prompt's tokens that each node would compute: exact when the prefix index has
   them (appliance.proxy.prefix: the engines' own KV events, the prompt's ids from
@@ -45,8 +46,13 @@ from appliance.proxy.split import CHAT
 # Without an itl_slo_ms, a local prefill may add up to this many of D's unstalled steps.
 ITL_BUDGET_STEPS = 3.0
 RECENT_S = 60
-# P serves whole requests only while the prefills of this many latest prompts fit the budget.
+# P serves whole requests only while the prefills of this many latest prompts fit
+# P_ALONE_FIT times the budget: a node whose load is decodes (prompts mostly cached, or
+# short) then decodes on both engines, as the one server it replaces does with both of its
+# devices, and P's whole requests are stalled only by prefills about as short as that
+# server's; one long prompt among them keeps P to prefills for a while.
 RECENT_PROMPTS = 16
+P_ALONE_FIT = 2.0
 
 Where = Literal["remote", "local", "p_alone"]
 
@@ -249,7 +255,7 @@ class Placement:
         local = None if d_line is None else max(d_line, self._waited(d, now))
         budget = self.itl_budget_s()
         longest = self.prefill.predict(max(on_p, *self._prompts, 0))
-        fit = budget is not None and longest is not None and longest <= budget
+        fit = budget is not None and longest is not None and longest <= P_ALONE_FIT * budget
         return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit)
 
     def choose(self, body: dict[str, Any], route: str, p: Backend, d: Backend,

@@ -136,6 +136,25 @@ def test_queued_work_moves_requests_off_a_backed_up_p() -> None:
     assert p.url not in place._queues
 
 
+@pytest.mark.parametrize("tokens,fits", [(150, True), (190, True), (300, False)])
+def test_p_decodes_whole_requests_only_while_its_prefills_are_short(tokens: int,
+                                                                     fits: bool) -> None:
+    """The ITL budget is 0.1 s; P takes whole requests while its recent prefills are within
+    twice that (short prompts, or mostly cached ones: the load is decodes), not once a
+    longer one came."""
+    place = Placement("auto", itl_slo_ms=100)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (100, 1000):
+        place.prefill.observe(n, n * 0.001)  # 1 ms a token
+    place.handoff.observe(100, 0.01)
+    d.decodes = 3  # D decodes three requests, P none
+    _, ticket, _ = place.choose({"prompt": list(range(tokens))}, "/v1/completions", p, d)
+    ticket.close(0.0, learn=False)  # that prompt's prefill is done
+    e = place.estimates(100, p, d, 0.0)
+    assert e.p_prefills_fit is fits
+    assert (decide("auto", e).where == "p_alone") is fits
+
+
 def test_settings_refuse_bad_values_in_one_line() -> None:
     with pytest.raises(SystemExit):
         load_settings(["--split", "sometimes"])
