@@ -46,6 +46,7 @@ import multiturn  # noqa: E402
 from ttft import SERVED, SETTLE_S, Setup, appliance_setup, serve  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
+from appliance.pdctl.status import metric_samples  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 console = Console(stderr=True)
@@ -117,19 +118,21 @@ def _row(results: list[dict]) -> dict[str, float]:
     return row
 
 
+def _samples(url: str) -> list[tuple[str, dict[str, str], float]]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return metric_samples(text)
+
+
 def decisions(url: str) -> tuple[dict[str, float], dict[str, float]]:
     """The proxy's placement counts so far: ({"remote": n, "local": m, "p_alone": k},
     {"remote/itl_budget": n, ...} by reason)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     out = {"remote": 0.0, "local": 0.0, "p_alone": 0.0}
     why: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("pd_proxy_split_decisions_total{"):
-            where = line.split('decision="', 1)[1].split('"', 1)[0]
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            n = float(line.rsplit(" ", 1)[1])
+    for name, labels, n in _samples(url):
+        if name == "pd_proxy_split_decisions_total":
+            where, key = labels["decision"], f"{labels['decision']}/{labels['reason']}"
             out[where] = out.get(where, 0.0) + n
-            why[f"{where}/{reason}"] = why.get(f"{where}/{reason}", 0.0) + n
+            why[key] = why.get(key, 0.0) + n
     return out, why
 
 
@@ -142,12 +145,11 @@ def placement_state(url: str) -> str:
 
 def _sums(url: str, series: str, by_backend: bool = False) -> dict[str, float]:
     """A series summed over its labels at `url` (per `backend` label when asked)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith((series + "{", series + " ")):
-            key = line.split('backend="', 1)[1].split('"', 1)[0] if by_backend else url
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    for name, labels, value in _samples(url):
+        if name == series:
+            key = labels.get("backend", "") if by_backend else url
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
