@@ -92,6 +92,19 @@ if [[ ${DEV} == 1 ]] && ! command -v systemd-analyze >/dev/null 2>&1; then
   fi
 fi
 
+# tmux shows `pdctl top` as a person sees it (tests/e2e/test_pd_top.py); skipped without it.
+if [[ ${DEV} == 1 ]] && ! command -v tmux >/dev/null 2>&1; then
+  if [[ ${EUID} -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    say "installing tmux (for the pdctl top test)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null || die "apt-get update failed"
+    apt-get install -y -qq --no-install-recommends tmux >/dev/null \
+      || die "apt-get install tmux failed"
+  else
+    say "note: tmux not found; the pdctl top view test in tests/e2e will be skipped"
+  fi
+fi
+
 # --- virtual environment ----------------------------------------------------------------
 PY="${PYTHON:-python3}"
 command -v "${PY}" >/dev/null 2>&1 || die "${PY} not found"

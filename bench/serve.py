@@ -4,6 +4,7 @@ server given the same two cores, in one run: request throughput, TTFT, TPOT and 
 and p99, and where `auto` placed the requests.
 
     .venv/bin/python bench/serve.py [--workloads tiny,mixed,prefix,chat] [--rounds 2] [--quick]
+        [--no-warmup]
 
 Workloads (vLLM's datasets, the model's own tokenizer):
 - tiny: the tiny model, short prompts (64-192 tokens) and outputs, a closed loop of 8
@@ -20,7 +21,10 @@ Each appliance setup is P on CPU 0 and D on CPU 1 behind its own proxy (its own 
 shared ones would see each prompt twice, a prefix-cache hit); the plain server has both
 CPUs. All are up at once and take turns, round by round (each round its own prompts); an
 idle server's workers stop polling a second after their last step, so the turns do not
-overlap. Ratios are setup / plain, and auto / always.
+overlap. Before the first round each setup serves a quarter of the workload on prompts of
+its own (not counted): a node in service has measured itself long before, and a run this
+short would otherwise weigh auto's first, unmeasured decisions as a fifth of its requests.
+Ratios are setup / plain, and auto / always.
 """
 
 from __future__ import annotations
@@ -170,6 +174,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="tiny,mixed,prefix,chat")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a quarter of the prompts")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="measure from the first request (auto still unmeasured)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-serve"))
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -188,6 +194,14 @@ def main() -> None:
                 console.log(f"{name}: starting {setup.name}")
                 setup.start()
                 started.append(setup)
+            auto = next(s for s in setups if s.name == "auto")
+            assert auto.proxy_url is not None
+            for setup in setups if args.warmup else ():
+                time.sleep(SETTLE_S)
+                console.log(f"{name}: warm-up, {setup.name}")
+                bench_serve(setup.proxy_url or setup.plain_url or "", model, work, 999,
+                            args.log_dir / f"{name}-{setup.name}-warmup.json", True)
+            before, before_why = decisions(auto.proxy_url)
             for rnd in range(args.rounds):
                 for setup in setups if rnd % 2 == 0 else reversed(setups):
                     time.sleep(SETTLE_S)
@@ -197,9 +211,9 @@ def main() -> None:
                     console.log(f"{name}: round {rnd + 1}, {setup.name}")
                     results[setup.name].append(
                         bench_serve(url, model, work, 1000 + rnd, out, args.quick))
-            auto = next(s for s in setups if s.name == "auto")
-            assert auto.proxy_url is not None
             placed, why = decisions(auto.proxy_url)
+            placed = {k: v - before.get(k, 0.0) for k, v in placed.items()}
+            why = {k: v - before_why.get(k, 0.0) for k, v in why.items()}
             console.log(f"{name}: auto's decisions by reason: "
                         + ", ".join(f"{k} {v:.0f}" for k, v in sorted(why.items())))
             console.log(f"{name}: auto's estimates: {placement_state(auto.proxy_url)}")

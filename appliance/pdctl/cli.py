@@ -28,6 +28,7 @@ from appliance.pdctl.config import HostConfig, load_config
 from appliance.pdctl.draincmd import drain
 from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
 from appliance.pdctl.initcmd import init
+from appliance.pdctl.topcmd import top
 
 __all__ = ["Env", "cli", "main"]
 
@@ -47,6 +48,7 @@ def cli(ctx: click.Context) -> None:
 
 cli.add_command(init)
 cli.add_command(drain)
+cli.add_command(top)
 
 
 # ---- validate / render ------------------------------------------------------------------

@@ -18,7 +18,7 @@ from appliance.pdctl.clibase import config_option, config_path_of, env_of
 from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
 
 
-def _target(config_path: Path | None, local: bool, run_dir: Path | None) -> tuple[str, Path]:
+def proxy_target(config_path: Path | None, local: bool, run_dir: Path | None) -> tuple[str, Path]:
     """(the proxy's URL, the node's keys/api-key file)."""
     from appliance.pdctl.local import LocalState, default_run_dir
 
@@ -33,7 +33,7 @@ def _target(config_path: Path | None, local: bool, run_dir: Path | None) -> tupl
 
     path = config_path_of(config_path)
     if not path.exists():
-        raise PdctlError(f"no node to drain: no local node (no state in {run_dir}) and no "
+        raise PdctlError(f"no node: no local node (no state in {run_dir}) and no "
                          f"host config at {path}")
     cfg = load_config(path)
     scheme = "https" if cfg.tls.cert_file else "http"
@@ -80,7 +80,7 @@ def drain(ctx: click.Context, node: str, config_path: Path | None, local: bool,
     out = env_of(ctx).out
     if wait < 0:
         raise PdctlError("--wait must not be negative", USAGE)
-    proxy, key_file = _target(config_path, local, run_dir)
+    proxy, key_file = proxy_target(config_path, local, run_dir)
     answer = _call(f"{proxy}/admin/{'undrain' if undo else 'drain'}", key_file,
                    {"node": node})
     names = set(answer["changed"])  # the nodes NODE named, as the proxy matched them

@@ -241,6 +241,7 @@ class Proxy:
                     rec.kv.move(Holder.NONE, "released by the proxy")
             self._learn(rec)
             self.metrics.count_request(route, rec.status)
+            rec.observe_client(self.metrics, time.monotonic())
             if self.settings.log_requests:
                 rec.log()
 
@@ -278,8 +279,11 @@ class Proxy:
         size = self.placement.tokens(body, rec.route)  # (estimated tokens, characters)
         if prefills and self.prefix is not None:
             rec.prefix = await self._lookup(body, rec, prefills, size[0])
+        rec.stream = body.get("stream") is True
+        asked = time.monotonic()
         d = await self.admission.admit(
             self.backends.ready_decode, lambda ds: self.router.pick_decode(ds, rec.prefix))
+        self.metrics.admission_wait.observe(time.monotonic() - asked)
         serving: Backend | None = None  # the node that decodes: counted in its `decodes`
         try:
             if not prefills:

@@ -99,7 +99,7 @@ class Exchange:
         p_resp: Response | None = None
         d_resp: Response | None = None
         handed_over = False
-        started = time.monotonic()
+        started = rec.serve_sent_at = time.monotonic()
         try:
             # Both at once: on pooled connections, two writes back to back.
             p_resp = p_pool.send_nowait(rec.route, p_data, p_headers, read_timeout=p_timeout)
@@ -237,8 +237,7 @@ class Exchange:
         if answer.stopped:  # P's token is the whole answer; P freed its KV by itself
             kv.move(Holder.NONE, "P's token ended the answer")
             self.metrics.first_token.labels("prefill_only").inc()
-            out = await self.relay.open_stream(request, rec)
-            await out.write(stream.head())
+            out = await self.relay.open_stream(request, rec, stream.head())
             await out.write_eof()
             return out
         d_body = first_token.continuation_request(
@@ -252,8 +251,7 @@ class Exchange:
         alone = self._alone(rec, d, COMPLETIONS, _encode(d_body))
         self.metrics.first_token.labels("prefill_led").inc()
         try:
-            out = await self.relay.open_stream(request, rec)
-            await out.write(stream.head())
+            out = await self.relay.open_stream(request, rec, stream.head())
             return await self.relay.continue_stream(rec, d, d_resp, out, stream, alone)
         finally:
             d_resp.close()
@@ -306,6 +304,7 @@ class Exchange:
         return await self.relay.relay(request, rec, d, upstream)
 
     async def _send_decode(self, rec: Record, d: Backend, route: str, data: bytes) -> Response:
+        rec.serve_sent_at = time.monotonic()
         try:
             return await self.upstreams.pool(d.url).send(
                 route, data, self._headers(rec),

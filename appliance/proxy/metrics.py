@@ -1,8 +1,13 @@
 """Prometheus metrics, on a registry of their own so several proxies can live in one process.
 
-The per-request ones (request counts, the two latency histograms, in-flight) are plain
-Python numbers turned into metric families at scrape time: prometheus_client's own take a
-lock per update, a visible cost at thousands of requests per second on one event loop.
+The per-request ones (request counts, the latency and token histograms, in-flight) are
+plain Python numbers turned into metric families at scrape time: prometheus_client's own
+take a lock per update, a visible cost at thousands of requests per second on one event
+loop (the ITL histogram is updated once per streamed chunk).
+
+What the client felt is labelled by the request's path: split (P, then D from P's KV),
+first_token (P's token led the stream), local (D alone, placed so), p_alone (P alone), and
+d_alone (D alone after a fallback: no P, or P failed).
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
+# Between two streamed tokens: a GPU's decode step is milliseconds, a stalled one seconds.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+               1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536,
+                 131072)
+PATHS = ("split", "first_token", "local", "p_alone", "d_alone")
 
 
 class FastHistogram:
@@ -43,12 +54,37 @@ class FastHistogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
 
-    def family(self) -> HistogramMetricFamily:
-        buckets, running = [], 0
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts by upper bound, as the exposition format has them."""
+        out, running = [], 0
         for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += n
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.total)
+            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        return out
+
+    def family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.doc, buckets=self.buckets(),
+                                     sum_value=self.total)
+
+
+class PathHistogram:
+    """One FastHistogram per request path, exported as one family labelled `path`."""
+
+    __slots__ = ("name", "doc", "by_path")
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.doc = name, doc
+        self.by_path = {path: FastHistogram(name, doc, bounds) for path in PATHS}
+
+    def observe(self, path: str, value: float) -> None:
+        self.by_path[path].observe(value)
+
+    def family(self) -> HistogramMetricFamily:
+        out = HistogramMetricFamily(self.name, self.doc, labels=["path"])
+        for path, h in self.by_path.items():
+            if any(h.counts):
+                out.add_metric([path], h.buckets(), sum_value=h.total)
+        return out
 
 
 class _HotPath(Collector):
@@ -74,6 +110,10 @@ class _HotPath(Collector):
         yield split
         yield m.decode_ttfb.family()
         yield m.prefill_latency.family()
+        yield m.admission_wait.family()
+        for h in (m.client_ttft, m.client_itl, m.client_e2e, m.decode_leg, m.prompt_tokens,
+                  m.output_tokens):
+            yield h.family()
 
 
 class ProxyMetrics:
@@ -90,7 +130,33 @@ class ProxyMetrics:
             "From the client's request to the answer's first body byte (D's, or P's token "
             "when it leads the stream)")
         self.prefill_latency = FastHistogram("pd_proxy_prefill_seconds",
-                                             "P's answer time (prefill + one token)")
+                                             "P's answer time (prefill + one token): P's leg")
+        self.admission_wait = FastHistogram(
+            "pd_proxy_admission_wait_seconds",
+            "How long requests waited for a decode slot (max_in_flight_per_decode)")
+        self.client_ttft = PathHistogram(
+            "pd_proxy_client_ttft_seconds",
+            "Streams: from the client's request to its first token, by path")
+        self.client_itl = PathHistogram(
+            "pd_proxy_client_itl_seconds",
+            "Streams: between two tokens the client received (tokens that came in one chunk: "
+            "0), by path", ITL_BUCKETS)
+        self.client_e2e = PathHistogram(
+            "pd_proxy_client_e2e_seconds",
+            "Answered requests (200): from the client's request to its answer's last byte, "
+            "by path")
+        self.decode_leg = PathHistogram(
+            "pd_proxy_decode_leg_seconds",
+            "The serving node's leg of answered requests: its request sent to its answer's "
+            "last byte (D's, or P's for p_alone), by path")
+        self.prompt_tokens = PathHistogram(
+            "pd_proxy_prompt_tokens",
+            "Answered requests' prompt tokens as an engine counted them (usage), by path",
+            TOKEN_BUCKETS)
+        self.output_tokens = PathHistogram(
+            "pd_proxy_output_tokens",
+            "Answered requests' output tokens (usage; streams: token events), by path",
+            TOKEN_BUCKETS)
         r.register(_HotPath(self))
         self.fallbacks = Counter("pd_proxy_prefill_fallbacks",
                                  "Requests served by D alone, by reason", ["reason"], registry=r)

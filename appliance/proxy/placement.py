@@ -8,9 +8,11 @@ the exchange picks a path.
 
 Policy `split`: `always` (every request remote), `never` (every one local) or `auto`: the
 sooner of the two by the node's own measurements, unless a local prefill would stall D's
-running decodes past the ITL budget; P serves whole requests while D decodes more of them
-than P does and every recent prompt's prefill is short (within twice the budget; a P that
-is asked for long prefills decodes nothing, so they stall no one). What `auto` weighs
+running decodes past the ITL budget (by its compute, the fitted line's per-token part: the
+fixed part of a first token is HTTP and scheduling, which those decodes do not wait for);
+P serves whole requests while D decodes more of them than P does and its recent prefills
+are short (this prompt's and three in four of the latest, within twice the budget; a P
+that is asked for long prefills decodes nothing, so they stall no one). What `auto` weighs
 (appliance.proxy.costmodel):
 
 - the prompt's tokens that each node would compute: exact when the prefix index has
@@ -46,13 +48,17 @@ from appliance.proxy.split import CHAT
 # Without an itl_slo_ms, a local prefill may add up to this many of D's unstalled steps.
 ITL_BUDGET_STEPS = 3.0
 RECENT_S = 60
-# P serves whole requests only while the prefills of this many latest prompts fit
-# P_ALONE_FIT times the budget: a node whose load is decodes (prompts mostly cached, or
-# short) then decodes on both engines, as the one server it replaces does with both of its
-# devices, and P's whole requests are stalled only by prefills about as short as that
-# server's; one long prompt among them keeps P to prefills for a while.
+# P serves whole requests only while this prompt's prefill and those of P_ALONE_SHARE of
+# the RECENT_PROMPTS latest fit P_ALONE_FIT times the budget: a node whose load is decodes
+# (prompts mostly cached, or short) then decodes on both engines, as the one server it
+# replaces does with both of its devices, and P's whole requests are stalled only by
+# prefills about as short as that server's. A share, not all of them: the first turn of a
+# conversation or a cold shared prefix is one long prefill among many short ones, which
+# stalls P's decodes once (as it would the one server's), and must not keep P to prefills
+# for the next sixteen requests; a workload of long prompts keeps it there.
 RECENT_PROMPTS = 16
 P_ALONE_FIT = 2.0
+P_ALONE_SHARE = 0.75
 
 Where = Literal["remote", "local", "p_alone"]
 
@@ -72,6 +78,12 @@ class Estimates:
     alone_s: float | None = None
     p_decodes: int = 0
     p_prefills_fit: bool = False
+    # What the prompt's prefill adds to the steps of the decodes running beside it: its
+    # compute (the fitted line's per-token part), not the first token's fixed costs (HTTP,
+    # scheduling, the first step), which those decodes do not wait for. None: take the
+    # whole first-token time.
+    local_stall_s: float | None = None
+    alone_stall_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +127,12 @@ def decide(split: Split, e: Estimates) -> Decision:
             and e.alone_s <= max(budget, e.local_s)):
         # D's decodes outnumber P's: P takes this one whole, no later than D would start it.
         return Decision("p_alone", "balance", e.tokens)
-    if e.decodes_running and e.local_s > budget:
-        stall = (e.local_s - budget) * e.decodes_running
+    d_adds = e.local_s if e.local_stall_s is None else e.local_stall_s
+    if e.decodes_running and d_adds > budget:
+        stall = (d_adds - budget) * e.decodes_running
         # Remote's prefill stalls P's decodes (whole requests P serves) likewise.
-        p_stall = max(0.0, (e.alone_s or 0.0) - budget) * e.p_decodes
+        p_adds = e.alone_s if e.alone_stall_s is None else e.alone_stall_s
+        p_stall = max(0.0, (p_adds or 0.0) - budget) * e.p_decodes
         if e.remote_s + p_stall - e.local_s > stall:
             return Decision("local", "backlog", e.tokens)
         return Decision("remote", "itl_budget", e.tokens)
@@ -254,9 +268,23 @@ class Placement:
         d_line = self.prefill.predict(d.prefill_tokens + on_d)
         local = None if d_line is None else max(d_line, self._waited(d, now))
         budget = self.itl_budget_s()
-        longest = self.prefill.predict(max(on_p, *self._prompts, 0))
-        fit = budget is not None and longest is not None and longest <= P_ALONE_FIT * budget
-        return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit)
+        fit = budget is not None and self._p_prefills_fit(on_p, P_ALONE_FIT * budget)
+        return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit,
+                         self._compute(on_d), self._compute(on_p))
+
+    def _compute(self, tokens: int) -> float | None:
+        """The compute part of a prefill of `tokens` (see Estimates.local_stall_s)."""
+        c = self.prefill.coefficients()
+        return None if c is None else c[1] * tokens
+
+    def _p_prefills_fit(self, on_p: int, limit_s: float) -> bool:
+        """This prompt's prefill compute, and that of P_ALONE_SHARE of the latest, within
+        `limit_s`: what P's whole requests would wait for, step by step."""
+        mine = self._compute(on_p)
+        if mine is None or mine > limit_s:
+            return False
+        short = sum(1 for n in self._prompts if (self._compute(n) or 0.0) <= limit_s)
+        return short >= P_ALONE_SHARE * len(self._prompts)
 
     def choose(self, body: dict[str, Any], route: str, p: Backend, d: Backend,
                prefix: Lookup | None = None,

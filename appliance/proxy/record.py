@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from appliance.proxy.ownership import PrefillKV
 
 if TYPE_CHECKING:
+    from appliance.proxy.metrics import ProxyMetrics
     from appliance.proxy.placement import Decision, Ticket
     from appliance.proxy.prefix import Lookup
 
@@ -44,10 +45,59 @@ class Record:
     prefilled_at: float | None = None
     decode_first_at: float | None = None
     step_s: float | None = None
+    # What the client felt (the metrics' client histograms): whether it asked for a stream,
+    # whether P's token led it, when its serving node was asked and its latest token went
+    # out, the output tokens it got, and the answer's usage counts when it had them.
+    stream: bool = False
+    led_by_prefill: bool = False
+    serve_sent_at: float | None = None
+    last_token_at: float | None = None
+    tokens_out: int = 0
+    usage_prompt: int | None = None
+    usage_output: int | None = None
 
     @property
     def local(self) -> bool:
         return self.placed is not None and self.placed.local
+
+    @property
+    def path(self) -> str:
+        """The request's path, as the client histograms label it (metrics' PATHS)."""
+        if self.fallback is not None or self.placed is None:
+            return "d_alone"
+        if self.placed.where != "remote":
+            return self.placed.where
+        return "first_token" if self.led_by_prefill else "split"
+
+    def tokens_sent(self, n: int, now: float, metrics: ProxyMetrics) -> None:
+        """`n` tokens went to the client in one write: the first one's gap since the last
+        token is an ITL, the rest came with it (0)."""
+        if n <= 0:
+            return
+        path = self.path
+        if self.last_token_at is not None:
+            metrics.client_itl.observe(path, now - self.last_token_at)
+        for _ in range(n - 1):
+            metrics.client_itl.observe(path, 0.0)
+        self.last_token_at = now
+        self.tokens_out += n
+
+    def observe_client(self, metrics: ProxyMetrics, now: float) -> None:
+        """The finished request's client-side times and token counts (answered ones)."""
+        if self.status != 200:
+            return
+        path = self.path
+        metrics.client_e2e.observe(path, now - self.started)
+        if self.stream and self.ttfb_s is not None:
+            metrics.client_ttft.observe(path, self.ttfb_s)
+        if self.serve_sent_at is not None:
+            metrics.decode_leg.observe(path, now - self.serve_sent_at)
+        prompt = self.usage_prompt or self.prompt_tokens
+        if prompt:
+            metrics.prompt_tokens.observe(path, prompt)
+        output = self.usage_output if self.usage_output is not None else self.tokens_out
+        if output:
+            metrics.output_tokens.observe(path, output)
 
     def prefill_answered(self, now: float, ok: bool, prompt_tokens: int | None) -> None:
         """P answered (its KV is ready for D): its prefill leaves P's queue."""

@@ -27,11 +27,19 @@ from appliance.proxy.ownership import PREFILL_DOWN
 from appliance.proxy.record import Record
 from appliance.proxy.response import Response, UpstreamError
 from appliance.proxy.settings import ProxySettings
+from appliance.proxy.split import answer_usage
 
 _encode = msgspec.json.encode
 
 # D's call asked again on D alone (after its P went down); None where it cannot be.
 Retry = Callable[[], Awaitable[Response]] | None
+
+
+def token_events(chunk: bytes) -> int:
+    """The SSE events in `chunk` that carry a token: not [DONE], a usage-only event or a
+    chat stream's opening role event (vLLM's compact JSON, and the proxy's)."""
+    return (chunk.count(b"data: ") - chunk.count(b"data: [DONE]") - chunk.count(b'"choices":[]')
+            - chunk.count(b'"delta":{"role":"assistant","content":""}'))
 
 
 class Relay:
@@ -102,6 +110,7 @@ class Relay:
                 self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
                 raise ProxyError(502, f"{d.role} node {d.url} failed mid-answer: {exc}") from None
             self._first_byte(rec, stream=False)
+            rec.usage_prompt, rec.usage_output = answer_usage(raw)
             if rec.kv is not None:
                 rec.kv.decode_answered()
             return web.Response(status=upstream.status, body=raw, headers={
@@ -140,10 +149,14 @@ class Relay:
             pass
         return out
 
-    async def open_stream(self, request: web.Request, rec: Record) -> web.StreamResponse:
-        """The client's stream, opened with P's token as its first bytes (counted so)."""
+    async def open_stream(self, request: web.Request, rec: Record,
+                          head: bytes) -> web.StreamResponse:
+        """The client's stream, opened with P's token (`head`) as its first bytes."""
         out = await prepare_stream(request, rec, 200, "text/event-stream; charset=utf-8")
+        rec.led_by_prefill = True
         self._first_byte(rec)
+        await out.write(head)
+        rec.tokens_sent(token_events(head), time.monotonic(), self.metrics)
         return out
 
     def _first_byte(self, rec: Record, stream: bool = True) -> None:
@@ -192,6 +205,7 @@ class Relay:
                         except ConnectionResetError:
                             rec.error = "client disconnected"
                             return out
+                        rec.tokens_sent(token_events(chunk), time.monotonic(), self.metrics)
                         tail = (tail + chunk[-32:])[-32:]
                     if rewrite is not None:
                         rest = rewrite.flush()

@@ -96,6 +96,7 @@ class _Choice(msgspec.Struct):
 
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 class _PrefillAnswer(msgspec.Struct):
@@ -125,6 +126,22 @@ def prefill_prompt_tokens(raw: bytes) -> int | None:
     """The prompt's tokens as P counted them (its usage), or None."""
     a = _answer(raw)
     return a.usage.prompt_tokens if a is not None and a.usage is not None else None
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_answer_usage = msgspec.json.Decoder(_Answer)
+
+
+def answer_usage(raw: bytes) -> tuple[int | None, int | None]:
+    """(prompt, completion) tokens of a whole answer's usage; None where it has none."""
+    try:
+        u = _answer_usage.decode(raw).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, None
+    return (None, None) if u is None else (u.prompt_tokens, u.completion_tokens)
 
 
 def text_only(message: Any) -> bool:

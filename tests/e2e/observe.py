@@ -10,28 +10,30 @@ import urllib.request
 
 import aiohttp
 
+from appliance.pdctl.status import metric_samples
 from tests.e2e.conftest import ask
+
+
+def _samples(base: str) -> list[tuple[str, dict[str, str], float]]:
+    return metric_samples(urllib.request.urlopen(base + "/metrics", timeout=10).read().decode())
 
 
 def metric(base: str, series: str) -> float:
     """The sum of a series at `base`/metrics: a family name sums over its labels, a name
     with labels (`x_total{reason="y"}`) is that one series; absent is 0."""
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(series + "{") or line.startswith(series + " "))
+    name, _, labels = series.partition("{")
+    match = dict(part.split("=", 1) for part in labels.rstrip("}").split(",") if part)
+    return sum(v for n, got, v in _samples(base) if n == name
+               and all(got.get(k) == want.strip('"') for k, want in match.items()))
 
 
 def remote_decisions(proxy: str) -> float:
     """Requests the proxy at `proxy` placed remote (P prefills, D pulls its KV)."""
-    text = urllib.request.urlopen(proxy + "/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith('pd_proxy_split_decisions_total{decision="remote"'))
+    return metric(proxy, 'pd_proxy_split_decisions_total{decision="remote"}')
 
 
 def kv_usage(base: str) -> float:
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:kv_cache_usage_perc")]
+    values = [v for n, _, v in _samples(base) if n == "vllm:kv_cache_usage_perc"]
     assert values, "vllm:kv_cache_usage_perc not exported"
     return max(values)
 

@@ -155,6 +155,46 @@ def test_p_decodes_whole_requests_only_while_its_prefills_are_short(tokens: int,
     assert (decide("auto", e).where == "p_alone") is fits
 
 
+@pytest.mark.parametrize("long_prompts,fits", [(1, True), (4, True), (5, False)])
+def test_a_few_long_prompts_among_short_ones_leave_p_serving_whole_requests(
+        long_prompts: int, fits: bool) -> None:
+    """A cold shared prefix or a conversation's first turn is one long prefill among many
+    short ones: P keeps taking whole requests while three in four of the latest 16 prompts
+    were short, not once a quarter of them were long; a long prompt itself is never P's
+    alone."""
+    place = Placement("auto", itl_slo_ms=100)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (100, 1000):
+        place.prefill.observe(n, n * 0.001)  # 1 ms a token: fits within 200 tokens
+    place.handoff.observe(100, 0.01)
+    d.decodes = 3
+    for i in range(16):
+        tokens = 900 if i < long_prompts else 120
+        _, ticket, _ = place.choose({"prompt": list(range(tokens))}, "/v1/completions", p, d)
+        ticket.close(0.0, learn=False)
+    assert place.estimates(100, p, d, 0.0).p_prefills_fit is fits
+    assert place.estimates(900, p, d, 0.0).p_prefills_fit is False
+
+
+def test_a_short_prompt_stalls_ds_decodes_by_its_compute_not_its_fixed_costs() -> None:
+    """Measured here: P's answers take 150 ms + 0.35 ms a token, D's unstalled budget is
+    128 ms. A 128-token prompt adds ~45 ms of compute to D's steps (within the budget),
+    though its first token takes ~195 ms: it goes local. A 1,000-token one (350 ms of
+    compute) stalls D's four decodes: remote, with P prefilling only."""
+    place = Placement("auto", itl_slo_ms=128)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (100, 400, 1000, 1600):
+        place.prefill.observe(n, 0.15 + n * 0.00035)
+        place.handoff.observe(n, 0.15 + n * 0.00001)
+    d.decodes = p.decodes = 4  # even: no P alone
+    short = place.estimates(128, p, d, 0.0)
+    assert short.local_s is not None and short.local_s > 0.128
+    assert short.local_stall_s == pytest.approx(0.0448)
+    assert decide("auto", short).where == "local"
+    p.decodes = 0
+    assert decide("auto", place.estimates(1000, p, d, 0.0)).where == "remote"
+
+
 def test_settings_refuse_bad_values_in_one_line() -> None:
     with pytest.raises(SystemExit):
         load_settings(["--split", "sometimes"])
