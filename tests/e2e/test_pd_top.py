@@ -74,8 +74,8 @@ async def test_client_histograms_count_every_streamed_token(pd_node, route: str)
 
 def _tmux(server: str, *args: str) -> subprocess.CompletedProcess[str]:
     # A tmux server of the test's own (-L: its socket name; no config), never the user's.
-    return subprocess.run(["tmux", "-L", server, "-f", "/dev/null", *args], capture_output=True, text=True,
-                          timeout=30)
+    return subprocess.run(["tmux", "-L", server, "-f", "/dev/null", *args],
+                          capture_output=True, text=True, timeout=30)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None,
