@@ -230,7 +230,9 @@ class Placement:
         self.counts: dict[tuple[str, str], int] = {}
         self._recent = _Recent()
         self._queues: dict[str, dict[Ticket, None]] = {}  # per node URL, oldest first
-        self._prompts: deque[int] = deque(maxlen=RECENT_PROMPTS)  # latest prompts' tokens
+        # The latest prompts' computed tokens, on whichever node computed them: whether the
+        # workload is one of long prefills (a conversation cached on D is not).
+        self._prompts: deque[int] = deque(maxlen=RECENT_PROMPTS)
 
     def tokens(self, body: dict[str, Any], route: str) -> tuple[int, int]:
         """(estimated prompt tokens, characters of prompt text)."""
@@ -299,13 +301,13 @@ class Placement:
         e = (self.estimates(tokens, p, d, now, cached_p, cached_d) if self.split == "auto"
              else Estimates(tokens, None, None, 0, None))
         decision = replace(decide(self.split, e), cached_p=cached_p, cached_d=cached_d)
-        self._prompts.append(tokens - cached_p)
         key = (decision.where, decision.reason)
         self.counts[key] = self.counts.get(key, 0) + 1
         self._recent.add(decision.where, now)
         node, cached = (d, cached_d) if decision.where == "local" else (p, cached_p)
         queue = self._queues.setdefault(node.url, {})
         work = tokens - cached
+        self._prompts.append(work)
         ticket = Ticket(node, self.prefill, work, cached, node.prefill_tokens, now, queue)
         queue[ticket] = None
         node.prefill_tokens += work

@@ -93,3 +93,21 @@ async def served_from_p(node, body: dict, want: str, bound_s: float = 15) -> flo
         assert time.monotonic() < deadline, "D did not receive P's KV"
         await asyncio.sleep(0.2)
     return took
+
+
+async def stream_load(url: str, stop: asyncio.Event, limit: int = 400) -> int:
+    """Four clients streaming completions through `url` until `stop` (at most `limit`
+    requests in all); the requests sent."""
+    sent = 0
+
+    async def client(http: aiohttp.ClientSession, k: int) -> None:
+        nonlocal sent
+        while not stop.is_set() and sent < limit:
+            sent += 1
+            status, _ = await ask(http, url, {"model": "tiny", "prompt": f"load {k} {sent}",
+                                              "max_tokens": 12, "stream": True})
+            assert status == 200
+
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(client(http, k) for k in range(4)))
+    return sent

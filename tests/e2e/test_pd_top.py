@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from appliance.pdctl.status import metric_samples, sum_samples
-from tests.e2e.conftest import ask
+from tests.e2e.observe import stream_load
 
 PDCTL = str(Path(sys.executable).parent / "pdctl")
 
@@ -25,23 +25,6 @@ def _proxy_samples(url: str) -> list[tuple[str, dict[str, str], float]]:
     import urllib.request
 
     return metric_samples(urllib.request.urlopen(url + "/metrics", timeout=10).read().decode())
-
-
-async def _load(url: str, stop: asyncio.Event, limit: int = 400) -> int:
-    """Four clients streaming until `stop` (at most `limit` requests in all)."""
-    sent = 0
-
-    async def client(http: aiohttp.ClientSession, k: int) -> None:
-        nonlocal sent
-        while not stop.is_set() and sent < limit:
-            sent += 1
-            status, _ = await ask(http, url, {"model": "tiny", "prompt": f"load {k} {sent}",
-                                              "max_tokens": 12, "stream": True})
-            assert status == 200
-
-    async with aiohttp.ClientSession() as http:
-        await asyncio.gather(*(client(http, k) for k in range(4)))
-    return sent
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
@@ -84,7 +67,7 @@ async def test_pdctl_top_shows_a_loaded_node_and_quits_on_ctrl_c(pd_node) -> Non
     url = pd_node.spec.proxy_url
     server = f"pdtop-{os.getpid()}"
     stop = asyncio.Event()
-    load = asyncio.create_task(_load(url, stop))
+    load = asyncio.create_task(stream_load(url, stop))
     try:
         await asyncio.sleep(2)  # the load runs: the first window sees it
         res = await asyncio.to_thread(_tmux, server, "new-session", "-d", "-x", "180", "-y",

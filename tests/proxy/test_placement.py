@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from appliance.proxy.backends import Backend
 from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
 from appliance.proxy.placement import Estimates, Placement, decide, prompt_size
+from appliance.proxy.prefix import Lookup
 from appliance.proxy.settings import load_settings
 from tests.proxy.conftest import MakeCluster
 
@@ -193,6 +194,24 @@ def test_a_short_prompt_stalls_ds_decodes_by_its_compute_not_its_fixed_costs() -
     assert decide("auto", short).where == "local"
     p.decodes = 0
     assert decide("auto", place.estimates(1000, p, d, 0.0)).where == "remote"
+
+
+def test_prompts_d_had_cached_count_as_short_for_ps_share() -> None:
+    """A conversation's turns served by D from its own cache are short prefills, though P
+    holds none of them: they do not make the workload one of long prompts for P."""
+    place = Placement("auto", itl_slo_ms=100)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (100, 1000):
+        place.prefill.observe(n, n * 0.001)
+    place.handoff.observe(100, 0.01)
+    for _ in range(16):
+        d.decodes = 0  # an idle D: each turn is local, 100 of its 900 tokens uncached on D
+        turn = Lookup(900, {d.url: 800})
+        decision, ticket, _ = place.choose({"prompt": "x"}, "/v1/completions", p, d, turn)
+        assert decision.where == "local"
+        ticket.close(0.0, learn=False)
+    d.decodes = 3
+    assert place.estimates(120, p, d, 0.0).p_prefills_fit  # a new conversation's turn fits
 
 
 def test_settings_refuse_bad_values_in_one_line() -> None:
