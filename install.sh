@@ -79,31 +79,22 @@ if [[ ${#missing_pkgs[@]} -gt 0 ]]; then
 fi
 
 # --- test tools outside pip -------------------------------------------------------------
-# systemd-analyze checks the unit (tests/pdctl); the test skips without it.
-if [[ ${DEV} == 1 ]] && ! command -v systemd-analyze >/dev/null 2>&1; then
+# dev_tool COMMAND PACKAGE WHAT: apt-get installs PACKAGE (as root) when COMMAND is missing;
+# else the tests that need it skip.
+dev_tool() {
+  [[ ${DEV} == 1 ]] && ! command -v "$1" >/dev/null 2>&1 || return 0
   if [[ ${EUID} -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    say "installing systemd (for systemd-analyze)"
+    say "installing $2 (for $3)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null || die "apt-get update failed"
-    apt-get install -y -qq --no-install-recommends systemd >/dev/null \
-      || die "apt-get install systemd failed"
+    apt-get install -y -qq --no-install-recommends "$2" >/dev/null \
+      || die "apt-get install $2 failed"
   else
-    say "note: systemd-analyze not found; the unit check in tests/pdctl will be skipped"
+    say "note: $1 not found; $3 will be skipped"
   fi
-fi
-
-# tmux shows `pdctl top` as a person sees it (tests/e2e/test_pd_top.py); skipped without it.
-if [[ ${DEV} == 1 ]] && ! command -v tmux >/dev/null 2>&1; then
-  if [[ ${EUID} -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    say "installing tmux (for the pdctl top test)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null || die "apt-get update failed"
-    apt-get install -y -qq --no-install-recommends tmux >/dev/null \
-      || die "apt-get install tmux failed"
-  else
-    say "note: tmux not found; the pdctl top view test in tests/e2e will be skipped"
-  fi
-fi
+}
+dev_tool systemd-analyze systemd "the unit check in tests/pdctl"
+dev_tool tmux tmux "the pdctl top view test in tests/e2e"
 
 # --- virtual environment ----------------------------------------------------------------
 PY="${PYTHON:-python3}"

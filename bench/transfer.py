@@ -295,13 +295,16 @@ def main() -> None:
                     help="where both KV caches live (cuda needs Mooncake's CUDA build)")
     ap.add_argument("--model", action="append", choices=["all", *CASES],
                     help="model shapes instead (bench/kvcases.py), each against raw Mooncake")
+    ap.add_argument("--small", action="store_true",
+                    help="--model: each shape cut to 4 layers and 12 blocks (a smoke run: the "
+                    "descriptors are still checked byte for byte)")
     ap.add_argument("--auth", choices=["off", "on", "both"],
                     help="instead: a full transfer through a real Sender and Receiver (request, "
                     "write, FINISH), the side channel without CURVE, with it, or both side by "
                     "side (bench/sidechannel.py)")
     args = ap.parse_args()
     if args.model:
-        report(list(CASES) if "all" in args.model else args.model, args.reps)
+        report(list(CASES) if "all" in args.model else args.model, args.reps, args.small)
         return
     from rich.console import Console
     from rich.table import Table

@@ -29,7 +29,7 @@ from appliance.proxy.errors import ProxyError
 from appliance.proxy.exchange import Exchange
 from appliance.proxy.health import HealthPoller
 from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.ownership import Holder, Pulls
+from appliance.proxy.ownership import Holder, PrefillKV, Pulls
 from appliance.proxy.placement import Decision, Placement, Ticket
 from appliance.proxy.prefix import Lookup, PrefixCache
 from appliance.proxy.record import Record
@@ -95,7 +95,9 @@ class Proxy:
         self.releaser = KVReleaser(self.metrics,
                                    curve_key=curve.load(settings.side_channel_key_file))
         self.relay = Relay(settings, self.metrics, self.backends)
-        self.pulls = Pulls()  # D calls waiting on a P's KV, failed over if that P goes down
+        # D calls waiting on a P's KV, failed over if that P goes down (unless D's own KV
+        # events say the KV is there already).
+        self.pulls = Pulls(self._landed)
         self.placement = Placement(settings.split, settings.itl_slo_ms)
         self.metrics.split_counts = self.placement.counts
         self.exchange = Exchange(settings, self.metrics, self.backends, self.upstreams,
@@ -139,6 +141,9 @@ class Proxy:
         await self.upstreams.close()
         await self.releaser.close()
 
+    def _landed(self, kv: PrefillKV) -> bool:
+        return self.prefix is not None and self.prefix.holds(kv.d_url, kv.lands)
+
     def _dropped(self, b: Backend) -> None:
         self.upstreams.forget(b.url)
         self.placement.forget(b.url)
@@ -157,10 +162,13 @@ class Proxy:
                         why, failed)
             self.metrics.upstream_errors.labels(b.role, b.url, "down").inc(failed)
         if b.role == "prefill":
-            moved = self.pulls.fail_over(b.url, message)
+            moved, kept = self.pulls.fail_over(b.url, message)
             if moved:
                 log.warning("prefill %s is down: the decode calls waiting on its KV go to D "
                             "alone: transfer=%s", b.url, ",".join(moved))
+            if kept:
+                log.info("prefill %s is down: D holds the KV of its calls already, they go "
+                         "on: transfer=%s", b.url, ",".join(kept))
 
     # ---- auth -------------------------------------------------------------------------
 

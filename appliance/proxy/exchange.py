@@ -76,7 +76,8 @@ class Exchange:
         # unique, so then the transfer id gets its own.
         rec.transfer_id = f"xfer-{rec.request_id}" if rec.own_request_id else new_transfer_id()
         rec.prefill, rec.decode = f"{p.url}#dp{rank}", d.url
-        rec.kv = PrefillKV(p, rank, rec.transfer_id)
+        rec.kv = PrefillKV(p, rank, rec.transfer_id, d_url=d.url,
+                           lands=() if rec.prefix is None else rec.prefix.lacking(d.url))
         p.transfers += 1  # until the request ends (Proxy.generate): P stays known till then
         return rec.kv, engine_id
 

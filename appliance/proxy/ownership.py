@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.proxy.backends import PrefillBackend
@@ -57,6 +58,11 @@ class PrefillKV:
     # The side channels of the P workers asked, as known then: a release goes to them even
     # when P has since gone out of rotation (a frozen P reads it once it runs again).
     side_channels: tuple[str, ...] = ()
+    # The D asked to pull, and the prompt's full blocks it lacked then (the prefix index's
+    # hashes; empty: unknown). Once D's own KV events say it caches them all, its pull is
+    # done: P's failure then costs that D call nothing (Pulls.fail_over).
+    d_url: str = ""
+    lands: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.side_channels:
@@ -95,8 +101,9 @@ class Pulls:
     """D calls waiting on P's KV, by P node: when a P goes down they are failed over
     (D alone) instead of waiting for D's `recv_timeout_s`."""
 
-    def __init__(self) -> None:
+    def __init__(self, landed: Callable[[PrefillKV], bool] = lambda kv: False) -> None:
         self._by_node: dict[str, set[PrefillKV]] = {}
+        self._landed = landed  # D holds the KV already (see PrefillKV.lands)
 
     def waiting(self, kv: PrefillKV, d_call: Response) -> None:
         if kv.holder is not Holder.ASKED:
@@ -111,12 +118,17 @@ class Pulls:
             if not group:
                 del self._by_node[kv.p.url]
 
-    def fail_over(self, p_url: str, why: str) -> list[str]:
-        """Fail the D calls still waiting on this P's KV; returns their transfer ids."""
-        failed = []
+    def fail_over(self, p_url: str, why: str) -> tuple[list[str], list[str]]:
+        """Fail the D calls still waiting on this P's KV, not those whose KV D holds already
+        (a whole answer says nothing until its decode ends: they would be computed twice);
+        returns (failed, kept) transfer ids."""
+        failed, kept = [], []
         for kv in list(self._by_node.get(p_url, ())):
             call = kv.d_call
             if kv.holder is Holder.ASKED and call is not None and not call.done:
+                if self._landed(kv):
+                    kept.append(kv.transfer_id)
+                    continue
                 call.abort(UpstreamError(PREFILL_DOWN, why))
                 failed.append(kv.transfer_id)
-        return failed
+        return failed, kept

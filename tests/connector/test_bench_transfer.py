@@ -45,7 +45,8 @@ def test_bench_transfer_model_shapes_run() -> None:
     its descriptors move exactly the bytes written out by hand)."""
     pytest.importorskip("mooncake.engine")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "transfer.py"), "--model", "all", "--reps", "1"],
+        [sys.executable, str(ROOT / "bench" / "transfer.py"), "--model", "all", "--reps", "1",
+         "--small"],
         capture_output=True, text=True, timeout=600, check=True,
     ).stdout
     for case in ("mla", "sliding", "tp1-2", "tp2-1"):

@@ -7,17 +7,22 @@ again, and nothing stays held."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import urllib.request
 
 import pytest
 
-from tests.e2e.conftest import plain_request, text_of, token_prompt
-from tests.e2e.observe import in_rotation, timed_ask, wait_no_blocks_held
+from tests.e2e.conftest import log_text, plain_request, text_of, token_prompt
+from tests.e2e.observe import in_rotation, metric, timed_ask, wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
 
 BOUND_S = 15  # two failed health checks (0.5 s apart, 2 s timeout each), and the answer
+PREFILL_DOWN = 'pd_proxy_prefill_fallbacks_total{reason="prefill_down"}'
+# Prompt tokens D computed itself (not received as KV).
+COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"
 
 
 def _body(i: int, stream: bool = False) -> dict:
@@ -70,3 +75,47 @@ async def test_frozen_decode_node_requests_end_with_an_error_within_seconds(pd_n
     got = await plain_request(pd_node.spec.proxy_url, "/v1/completions", _body(9))
     assert text_of(got) == expected
     await wait_no_blocks_held(pd_node, within=60)  # P's KV for the failed ones was released
+
+
+async def test_frozen_prefill_node_costs_decodes_that_have_their_kv_nothing(pd_node,
+                                                                           plain_server):
+    """A whole answer says nothing until its decode ends, so its KV stays the proxy's
+    (ASKED) all along: P frozen while 8 of them decode must not rerun them on D. D's own KV
+    events told the proxy that D holds their blocks: each prompt computed once (on P), all
+    answers a plain server's."""
+    bodies = [{"model": "tiny", "prompt": token_prompt(320 + 16 * i, seed=800 + i),
+               "max_tokens": 1200, "ignore_eos": True, "temperature": 0} for i in range(8)]
+    expected = await asyncio.gather(*(plain_request(plain_server, "/v1/completions", b)
+                                      for b in bodies))
+    s = pd_node.spec
+    fallbacks = metric(s.proxy_url, PREFILL_DOWN)
+    received = metric(s.decode_url, "vllm:pd_kv_received_total")
+    computed = metric(s.decode_url, COMPUTED)
+    tasks = [asyncio.create_task(timed_ask(s.proxy_url, b)) for b in bodies]
+    for _ in range(300):  # every pull done: D decodes them all
+        if metric(s.decode_url, "vllm:pd_kv_received_total") >= received + 8:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("D did not receive the 8 prompts' KV")
+    _freeze(pd_node.prefill)
+    try:
+        for _ in range(200):  # found down while they decode
+            status = json.loads(urllib.request.urlopen(s.proxy_url + "/status").read())
+            if not status["prefill"][0]["healthy"]:
+                break
+            assert not all(t.done() for t in tasks), "the decodes ended before P was down"
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the proxy never found P down")
+        assert not all(t.done() for t in tasks), "the decodes ended before P was down"
+        results = await asyncio.gather(*tasks)
+    finally:
+        _thaw(pd_node.prefill)
+    for (status, text, _), want in zip(results, expected, strict=True):
+        assert (status, text) == (200, text_of(want))
+    assert metric(s.proxy_url, PREFILL_DOWN) == fallbacks  # none rerun on D alone
+    assert "D holds the KV of its calls already" in log_text(pd_node.proxy.log_path)
+    assert metric(s.decode_url, COMPUTED) - computed <= 8 * 32  # at most a block each
+    await in_rotation(pd_node, "prefill")
+    await wait_no_blocks_held(pd_node, within=60)

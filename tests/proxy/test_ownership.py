@@ -46,3 +46,33 @@ def test_no_way_back_once_it_is_someone_elses(end: Holder) -> None:
 def test_decode_cannot_own_what_it_was_never_asked_for() -> None:
     with pytest.raises(OwnershipError):
         _kv().move(Holder.DECODE, "D answered")
+
+
+class _Call:
+    """What Pulls reads of D's call: whether it ended, and its abort."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.aborted: Exception | None = None
+
+    def abort(self, exc: Exception) -> None:
+        self.aborted = exc
+
+
+def test_p_down_fails_over_only_the_pulls_d_has_not_landed() -> None:
+    """A whole answer's D call stays ASKED for its whole decode; once D's KV events show it
+    holds the blocks it pulled, P's failure must not rerun it on D alone."""
+    from appliance.proxy.ownership import Pulls
+
+    landed = {"x-landed"}
+    pulls = Pulls(lambda kv: kv.transfer_id in landed)
+    p = PrefillBackend("prefill", "http://p")
+    calls = {}
+    for xfer in ("x-landed", "x-waiting"):
+        kv = PrefillKV(p, 0, xfer, d_url="http://d", lands=(1, 2))
+        kv.move(Holder.ASKED, "D asked")
+        calls[xfer] = _Call()
+        pulls.waiting(kv, calls[xfer])  # type: ignore[arg-type]
+    failed, kept = pulls.fail_over("http://p", "P is down")
+    assert (failed, kept) == (["x-waiting"], ["x-landed"])
+    assert calls["x-waiting"].aborted is not None and calls["x-landed"].aborted is None

@@ -36,9 +36,18 @@ class Lookup:
     cached: dict[str, int] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
     tokenize_s: float = 0.0  # what asking for the prompt's ids took (0: it was ids)
+    # The external hashes of the prompt's full blocks that an engine caches (all but the
+    # last token's), and the block size.
+    hashes: tuple[int, ...] = ()
+    block_size: int = 0
 
     def on(self, url: str) -> int:
         return self.cached.get(url, 0)
+
+    def lacking(self, url: str) -> tuple[int, ...]:
+        """The prompt's full-block hashes when `url` lacked some of them at the lookup (a
+        pull there brings them), else none."""
+        return () if self.on(url) >= len(self.hashes) * self.block_size else self.hashes
 
 
 class PrefixCache:
@@ -80,7 +89,12 @@ class PrefixCache:
         most = (len(ids) - 1) // size
         return Lookup(len(ids), {url: min(most, self.index.cached_blocks(url, hashes)) * size
                                  for url in nodes},
-                      {url: self.index.blocks_held(url) for url in nodes}, took)
+                      {url: self.index.blocks_held(url) for url in nodes}, took,
+                      tuple(hashes[:most]), size)
+
+    def holds(self, url: str, hashes: Sequence[int]) -> bool:
+        """Whether `url`'s engine caches every one of these blocks now (its KV events)."""
+        return bool(hashes) and self.index.cached_blocks(url, hashes) >= len(hashes)
 
     async def _tokenize(self, url: str, what: dict[str, Any]) -> list[int] | None:
         try:
