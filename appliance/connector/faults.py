@@ -5,6 +5,9 @@
 - `reply_drop=N`: 1 in N of P's side-channel replies is never sent (D waits for its
   deadline, then asks again or recomputes);
 - `write_delay_ms=M`: every write starts M ms late (a slow or congested link);
+- `prefill_hold_file=PATH`: while PATH exists, P's scheduler starts no new prefill for a
+  decode node (they wait in its queue, as behind a backlog, and an abort removes one
+  before it is computed); removing the file lets them run;
 - `seed=S`: the draws, so that a run can be repeated.
 
 Whatever is injected, a request must end with a plain server's exact output (D recomputes
@@ -36,6 +39,7 @@ class FaultPlan:
     reply_drop: int = 0
     write_delay_ms: float = 0.0
     seed: int = 0
+    prefill_hold_file: str = ""
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
@@ -45,7 +49,10 @@ class FaultPlan:
             key, sep, raw = part.partition("=")
             if not sep or key not in cls.__dataclass_fields__:
                 raise ValueError(f"{ENV}: {part!r} is not one of write_fail=N, reply_drop=N, "
-                                 "write_delay_ms=M, seed=S")
+                                 "write_delay_ms=M, prefill_hold_file=PATH, seed=S")
+            if key == "prefill_hold_file":
+                values[key] = raw
+                continue
             try:
                 values[key] = float(raw) if key == "write_delay_ms" else int(raw)
             except ValueError:
@@ -78,6 +85,10 @@ class Faults:
         if dropped:
             log.warning("fault injection: a side-channel reply dropped")
         return dropped
+
+    def holding_prefills(self) -> bool:
+        """P's scheduler: whether new prefills wait (prefill_hold_file exists)."""
+        return bool(self.plan.prefill_hold_file) and os.path.exists(self.plan.prefill_hold_file)
 
     def wrap_write(self, write: Callable[..., T]) -> Callable[..., T]:
         """`write` (run on a push thread) with the plan's delay and failures before it."""

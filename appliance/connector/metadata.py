@@ -20,6 +20,9 @@ class RecvSpec:
     block_ids: list[list[int]]
     remote_engine_id: str
     remote_bootstrap_addr: str
+    # The request's own receive deadline (`recv_timeout_ms`, sent by the proxy: see
+    # appliance.deadlines); None: the connector's recv_timeout_s.
+    timeout_s: float | None = None
 
 
 @dataclass

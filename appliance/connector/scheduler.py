@@ -12,8 +12,9 @@ stopped at its first token frees its KV at once: no decode node will come for it
 Consumer (D): reports the whole prompt as an asynchronous external load, which parks the
 request in WAITING_FOR_REMOTE_KVS (17); vLLM recomputes only the last prompt token once
 the load is reported (37). `remote_num_tokens` says P's KV covers D's prompt less its last
-token (the proxy's first-token mode appends P's token): D then pulls only those blocks; any
-other value is refused (nothing pulled, the prompt computed locally, P told to free).
+token (the proxy's first-token mode appends P's token): D then pulls only those blocks;
+`recv_timeout_ms` is the request's own receive deadline (appliance.deadlines); any other
+value is refused (nothing pulled, the prompt computed locally, P told to free).
 A request aborted while waiting keeps its blocks until the
 worker knows the producer will not write into them any more.
 """
@@ -25,10 +26,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance.connector import engine_wait
+from appliance.connector import engine_wait, faults
 from appliance.connector.groups import KVGroup, needed_blocks
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
 from appliance.connector.settings import ConnectorSettings
+from appliance.deadlines import MAX_RECV_MS
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -46,6 +48,10 @@ class _Send:
     request: Request
     transfer_id: str
     ready: bool = False  # the worker was told the KV is (about to be) computed
+
+
+def _timeout_s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -77,6 +83,8 @@ class PDScheduler:
         self._recving: dict[str, str] = {}
         self._pulled: OrderedDict[str, None] = OrderedDict()
         self._meta = PDConnectorMetadata()
+        # Tests only (PD_FAULT_INJECTION): a producer that holds new prefills back.
+        self._faults = faults.from_env() if settings.is_producer else None
 
     # --- hooks shared by both roles -----------------------------------------------------
 
@@ -84,6 +92,9 @@ class PDScheduler:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
+            if (self._faults is not None and params and params.get("do_remote_decode")
+                    and self._faults.holding_prefills()):
+                return None, False  # fault injection: waits in the queue, as in a backlog
             return 0, False
         if self.settings.is_producer:
             log.warning("req %s: do_remote_prefill sent to a producer; computing locally",
@@ -126,7 +137,8 @@ class PDScheduler:
                 self._meta.recvs[request.request_id] = RecvSpec(
                     transfer_id=params["transfer_id"], block_ids=block_ids,
                     remote_engine_id=params["remote_engine_id"],
-                    remote_bootstrap_addr=params["remote_bootstrap_addr"])
+                    remote_bootstrap_addr=params["remote_bootstrap_addr"],
+                    timeout_s=_timeout_s(params.get("recv_timeout_ms")))
                 self._recving[request.request_id] = params["transfer_id"]
             else:
                 # Full local prefix hit: nothing to pull, but P holds blocks for us.
@@ -265,6 +277,9 @@ class PDScheduler:
             # value would leave tokens counted as computed that nobody wrote.
             return (f"remote_num_tokens={covered!r}: it must be the prompt's length less one "
                     f"({prompt_len - 1}, P's prompt before its first token)")
+        wait = params.get("recv_timeout_ms")
+        if wait is not None and (type(wait) not in (int, float) or not 0 < wait <= MAX_RECV_MS):
+            return f"recv_timeout_ms={wait!r}: it must be a number of ms in (0, {MAX_RECV_MS}]"
         return None
 
     def _release(self, params: dict[str, Any]) -> None:

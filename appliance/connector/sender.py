@@ -35,6 +35,7 @@ from appliance.connector.state import TransferState
 from appliance.connector.stats import TransferStats
 from appliance.connector.tpplan import Leg, leg_for
 from appliance.connector.transfer import MooncakeTransport, TransferError
+from appliance.deadlines import write_by_s
 from appliance.netaddr import host_port, url_host
 
 log = logging.getLogger("vllm.appliance.connector.sender")
@@ -270,14 +271,17 @@ class Sender(Ledger):
     async def _push(self, session: str, leg: Leg, entry: m.ReqEntry) -> tuple[bool, str]:
         tid, d_req = entry.transfer_id, entry.d_req_id
         # Leave D a margin: a write must be over before D's deadline, not merely started.
-        write_by = (time.monotonic() + entry.deadline_ms / 1000 * 0.8 if entry.deadline_ms
-                    else float("inf"))
+        now = time.monotonic()
+        d_wait_s = entry.deadline_ms / 1000 if entry.deadline_ms else 0.0
+        write_by = now + write_by_s(d_wait_s) if d_wait_s else float("inf")
         if tid in self._seen:
             return False, f"transfer {tid} is over ({self._seen[tid]}); transfer_id seen twice?"
         t = self.by_transfer.get(tid)
         if t is None:  # D arrived before the prefill finished (seeds step 22)
             t = self.by_transfer[tid] = Outgoing(transfer_id=tid)
-            t.deadline = time.monotonic() + self.settings.send_timeout_s
+            # Wait for the prefill as long as D waits for it (appliance.deadlines): giving
+            # up sooner would have D recompute a prompt this node is still computing.
+            t.deadline = now + max(self.settings.send_timeout_s, d_wait_s)
         if leg.d_rank in t.asked or len(t.asked) >= t.legs or (
                 t.d_req_id is not None and t.d_req_id != d_req):
             return False, f"transfer_id {tid} already requested by {t.d_req_id}"

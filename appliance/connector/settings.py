@@ -25,7 +25,10 @@ from pydantic import (
     model_validator,
 )
 
+from appliance.deadlines import Deadlines
 from appliance.netaddr import host_port
+
+_DEADLINES = Deadlines()
 
 Role = Literal["producer", "consumer"]
 
@@ -54,11 +57,13 @@ class ConnectorSettings(BaseModel):
     # Producer: threads that run blocking batch writes, off vLLM's forward path.
     num_workers: int = Field(4, ge=1, le=64)
     # Producer: how long computed KV is held for a decode node that never asks for it, and
-    # how long a decode node's request waits for its prefill to finish.
-    send_timeout_s: float = Field(120.0, gt=0)
-    # Consumer: the receive deadline; when it passes the request is handed to vLLM's
-    # load-failure policy (recompute locally by default) instead of waiting forever.
-    recv_timeout_s: float = Field(60.0, gt=0)
+    # how long a decode node's request waits for its prefill to finish (at least as long
+    # as that request's own deadline). Defaults: appliance.deadlines, from the proxy's wait.
+    send_timeout_s: float = Field(_DEADLINES.send_s, gt=0)
+    # Consumer: the receive deadline of a request that does not carry its own
+    # (`recv_timeout_ms`, which the proxy sends); when it passes the request is handed to
+    # vLLM's load-failure policy (recompute locally by default) instead of waiting forever.
+    recv_timeout_s: float = Field(_DEADLINES.recv_s, gt=0)
     # Consumer: a side-channel socket to a producer worker closes after this long unused,
     # and past max_peers open ones the least recently used close (appliance.connector.peers).
     peer_idle_s: float = Field(300.0, gt=0)

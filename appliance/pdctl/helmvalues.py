@@ -99,9 +99,10 @@ def helm_values(desc: ClusterDescription) -> dict[str, Any]:
         },
         "timeouts": {
             "startupS": max(10, math.ceil(desc.timeouts.startup_s)),
-            "kvSendS": desc.timeouts.kv_send_s,
-            "kvRecvS": desc.timeouts.kv_recv_s,
+            "kvSendS": desc.timeouts.send_s,
+            "kvRecvS": desc.timeouts.recv_s,
             "prefillS": desc.timeouts.prefill_s,
+            "kvTransferS": desc.timeouts.kv_transfer_s,
             "decodeReadS": desc.timeouts.decode_read_s,
         },
         "bootstrap": {"ttlS": math.ceil(desc.timeouts.bootstrap_ttl_s)},

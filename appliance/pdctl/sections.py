@@ -9,6 +9,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from appliance.deadlines import (
+    DEFAULT_PREFILL_S,
+    DEFAULT_TRANSFER_S,
+    WRITE_MARGIN_MAX_S,
+    Deadlines,
+)
+
 VERSION_TAG = "0.1.0"
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -77,11 +84,27 @@ class PortsSection(_Section):
 class TimeoutsSection(_Section):
     # How long `pdctl up` waits for every service to be healthy (first start loads weights).
     startup_s: float = Field(900.0, gt=0)
-    prefill_s: float = Field(120.0, gt=0)
+    # The proxy's wait for P's answer: what D and P wait derives from it and from
+    # kv_transfer_s (appliance.deadlines). kv_recv_s and kv_send_s are the connector's
+    # defaults for callers that send no deadline of their own; unset, derived too.
+    prefill_s: float = Field(DEFAULT_PREFILL_S, gt=0)
+    kv_transfer_s: float = Field(DEFAULT_TRANSFER_S, ge=WRITE_MARGIN_MAX_S)
     decode_read_s: float = Field(300.0, gt=0)
-    kv_recv_s: float = Field(60.0, gt=0)
-    kv_send_s: float = Field(120.0, gt=0)
+    kv_recv_s: float | None = Field(None, gt=0)
+    kv_send_s: float | None = Field(None, gt=0)
     bootstrap_ttl_s: float = Field(30.0, ge=0)
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return Deadlines(self.prefill_s, self.kv_transfer_s)
+
+    @property
+    def recv_s(self) -> float:
+        return self.kv_recv_s or self.deadlines.recv_s
+
+    @property
+    def send_s(self) -> float:
+        return self.kv_send_s or self.deadlines.send_s
 
 
 class AuthSection(_Section):

@@ -98,7 +98,8 @@ class Proxy:
         # D calls waiting on a P's KV, failed over if that P goes down (unless D's own KV
         # events say the KV is there already).
         self.pulls = Pulls(self._landed)
-        self.placement = Placement(settings.split, settings.itl_slo_ms)
+        self.placement = Placement(settings.split, settings.itl_slo_ms,
+                                   settings.prefill_timeout_s)
         self.metrics.split_counts = self.placement.counts
         self.exchange = Exchange(settings, self.metrics, self.backends, self.upstreams,
                                  self.relay, self.pulls, self.base_headers)

@@ -89,7 +89,8 @@ class Exchange:
         headers = self._headers(rec)
         p_headers = self._prefill_headers(rec, kv)
         p_data = _encode(prefill_body(body, rec.route, transfer_id))
-        d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
+        d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id,
+                                     self.settings.deadlines.recv_ms()))
         p_pool, d_pool = self.upstreams.pool(p.url), self.upstreams.pool(d.url)
         p_timeout = self.settings.prefill_timeout_s
         d_timeout = self.settings.decode_read_timeout_s
@@ -228,7 +229,8 @@ class Exchange:
             # the length after the stream began: D answers classically, still from P's KV,
             # which P holds for this transfer.
             self.metrics.first_token.labels("decode").inc()
-            d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id))
+            d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id,
+                                         self.settings.deadlines.recv_ms(after_prefill=True)))
             kv.move(Holder.ASKED, "D asked to answer from it")
             d_resp = await self._send_decode(rec, d, rec.route, d_data)
             self.pulls.waiting(kv, d_resp)
@@ -242,7 +244,8 @@ class Exchange:
             await out.write_eof()
             return out
         d_body = first_token.continuation_request(
-            body, rec.route, answer, transfer_id, p.bootstrap_url, engine_id)
+            body, rec.route, answer, transfer_id, p.bootstrap_url, engine_id,
+            self.settings.deadlines.recv_ms(after_prefill=True))
         kv.move(Holder.ASKED, "D asked to continue from it")
         # D is asked before the client hears anything: a client gone by then cancels
         # this handler, which cuts D's call and so frees the KV on both sides.

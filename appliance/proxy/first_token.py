@@ -189,8 +189,8 @@ def parse_prefill_answer(raw: bytes, route: str) -> PrefillAnswer | None:
 
 
 def continuation_request(body: dict[str, Any], route: str, answer: PrefillAnswer,
-                         transfer_id: str, bootstrap_addr: str,
-                         engine_id: str) -> dict[str, Any]:
+                         transfer_id: str, bootstrap_addr: str, engine_id: str,
+                         recv_timeout_ms: int | None = None) -> dict[str, Any]:
     """D's body: a completion of P's prompt ids plus P's token, pulling P's KV."""
     out = {k: v for k, v in body.items() if k in _CONTINUED}
     limit = _max_tokens(body, route)
@@ -199,8 +199,9 @@ def continuation_request(body: dict[str, Any], route: str, answer: PrefillAnswer
     if body.get("min_tokens"):
         out["min_tokens"] = body["min_tokens"] - 1
     out["prompt"] = [*answer.prompt_token_ids, answer.token_id]
-    out["kv_transfer_params"] = {**pull_params(transfer_id, bootstrap_addr, engine_id),
-                                 "remote_num_tokens": len(answer.prompt_token_ids)}
+    out["kv_transfer_params"] = {
+        **pull_params(transfer_id, bootstrap_addr, engine_id, recv_timeout_ms),
+        "remote_num_tokens": len(answer.prompt_token_ids)}
     return out
 
 

@@ -84,6 +84,8 @@ class Estimates:
     # whole first-token time.
     local_stall_s: float | None = None
     alone_stall_s: float | None = None
+    # How long the proxy waits for P's answer (appliance.deadlines).
+    prefill_deadline_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,8 @@ class Decision:
     where: Where
     # policy: split=always/never; unmeasured: auto has no timing of P yet (it learns);
     # itl_budget: local would stall D's decodes longer than remote delays this request;
-    # backlog: it would, but P is so far behind that the request waits less on D;
+    # backlog: it would, but P is so far behind that the request waits less on D (or P
+    #     would not answer before the proxy's prefill deadline);
     # sooner: no decode to stall, the faster of the two;
     # balance: P alone, as D decodes more requests than P and P's prefills are short.
     reason: str
@@ -122,6 +125,11 @@ def decide(split: Split, e: Estimates) -> Decision:
         return Decision("local", "policy", e.tokens)
     if e.remote_s is None or e.local_s is None:
         return Decision("remote", "unmeasured", e.tokens)
+    if (e.prefill_deadline_s is not None and e.alone_s is not None
+            and e.alone_s > e.prefill_deadline_s):
+        # P would not answer before the proxy stops waiting: remote would end on D alone
+        # anyway, after that wait, and P's work (if it started) thrown away.
+        return Decision("local", "backlog", e.tokens)
     budget = e.itl_budget_s or 0.0
     if (e.alone_s is not None and e.p_prefills_fit and e.p_decodes < e.decodes_running
             and e.alone_s <= max(budget, e.local_s)):
@@ -220,8 +228,10 @@ class _Recent:
 class Placement:
     """The measurements and the decision; the proxy asks `choose` once per request."""
 
-    def __init__(self, split: Split, itl_slo_ms: float | None) -> None:
+    def __init__(self, split: Split, itl_slo_ms: float | None,
+                 prefill_deadline_s: float | None = None) -> None:
         self.split = split
+        self.prefill_deadline_s = prefill_deadline_s
         self.itl_slo_s = None if itl_slo_ms is None else itl_slo_ms / 1000
         self.prefill = Linear()  # P's and D's prefills, pooled (see the module's doc)
         self.handoff = Linear()  # P's answer -> D's first token, in the prompt's tokens
@@ -272,7 +282,7 @@ class Placement:
         budget = self.itl_budget_s()
         fit = budget is not None and self._p_prefills_fit(on_p, P_ALONE_FIT * budget)
         return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit,
-                         self._compute(on_d), self._compute(on_p))
+                         self._compute(on_d), self._compute(on_p), self.prefill_deadline_s)
 
     def _compute(self, tokens: int) -> float | None:
         """The compute part of a prefill of `tokens` (see Estimates.local_stall_s)."""

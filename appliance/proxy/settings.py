@@ -13,6 +13,12 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from appliance import keys
+from appliance.deadlines import (
+    DEFAULT_PREFILL_S,
+    DEFAULT_TRANSFER_S,
+    WRITE_MARGIN_MAX_S,
+    Deadlines,
+)
 from appliance.netaddr import host_port
 from appliance.proxy.k8s_settings import DEFAULT_BOOTSTRAP_PORT, KubernetesSettings, http_url
 
@@ -86,9 +92,12 @@ class ProxySettings(BaseModel):
     # error) instead of at their timeouts: a frozen node answers nothing, ever.
     down_after_failures: int = Field(2, ge=1)
     connect_timeout_s: float = Field(5.0, gt=0)
-    # Longest wait for P's answer (P says nothing until its one token is out); past it, P
-    # counts as timed out and the fallback applies.
-    prefill_timeout_s: float = Field(120.0, gt=0)
+    # Longest wait for P's answer (P's queue and prefill: P says nothing until its one token
+    # is out); past it P's and D's calls are closed (P never computes a prompt still queued)
+    # and D alone answers. D's receive deadline and P's hold derive from it and from
+    # kv_transfer_s, D's wait beyond it for the write (appliance.deadlines).
+    prefill_timeout_s: float = Field(DEFAULT_PREFILL_S, gt=0)
+    kv_transfer_s: float = Field(DEFAULT_TRANSFER_S, ge=WRITE_MARGIN_MAX_S)
     # Longest silence from D, counted from P's answer (D waits for the KV before it speaks;
     # a non-streaming answer is one long silence).
     decode_read_timeout_s: float = Field(300.0, gt=0)
@@ -194,6 +203,10 @@ class ProxySettings(BaseModel):
             raise ValueError("tls_cert_file and tls_key_file go together")
         return self
 
+    @property
+    def deadlines(self) -> Deadlines:
+        return Deadlines(self.prefill_timeout_s, self.kv_transfer_s)
+
     def listener_ssl(self) -> ssl.SSLContext | None:
         """The client-facing TLS context, or None for plain HTTP."""
         if self.tls_cert_file is None or self.tls_key_file is None:
@@ -283,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS")
     p.add_argument("--prefill-timeout", dest="prefill_timeout_s", type=float,
                    metavar="SECONDS")
+    p.add_argument("--kv-transfer-timeout", dest="kv_transfer_s", type=float,
+                   metavar="SECONDS", help="D's wait for the KV beyond --prefill-timeout")
     p.add_argument("--decode-read-timeout", dest="decode_read_timeout_s", type=float,
                    metavar="SECONDS")
     p.add_argument("--upstream-deadline", dest="upstream_deadline_s", type=float,

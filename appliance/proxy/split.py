@@ -72,22 +72,28 @@ def prefill_body(body: dict[str, Any], route: str, transfer_id: str) -> dict[str
 
 
 def decode_body(body: dict[str, Any], transfer_id: str, bootstrap_addr: str,
-                engine_id: str) -> dict[str, Any]:
+                engine_id: str, recv_timeout_ms: int | None = None) -> dict[str, Any]:
     """D gets the client's request as is, plus where to pull the KV from."""
     out = dict(body)
-    out["kv_transfer_params"] = pull_params(transfer_id, bootstrap_addr, engine_id)
+    out["kv_transfer_params"] = pull_params(transfer_id, bootstrap_addr, engine_id,
+                                            recv_timeout_ms)
     return out
 
 
-def pull_params(transfer_id: str, bootstrap_addr: str, engine_id: str) -> dict[str, Any]:
-    """D's `kv_transfer_params`: pull this transfer's KV from that prefill engine."""
-    return {
+def pull_params(transfer_id: str, bootstrap_addr: str, engine_id: str,
+                recv_timeout_ms: int | None = None) -> dict[str, Any]:
+    """D's `kv_transfer_params`: pull this transfer's KV from that prefill engine, waiting
+    for it at most `recv_timeout_ms` (appliance.deadlines; None: D's own default)."""
+    params = {
         "do_remote_decode": False,
         "do_remote_prefill": True,
         "remote_bootstrap_addr": bootstrap_addr,
         "remote_engine_id": engine_id,
         "transfer_id": transfer_id,
     }
+    if recv_timeout_ms is not None:
+        params["recv_timeout_ms"] = recv_timeout_ms
+    return params
 
 
 class _Choice(msgspec.Struct):

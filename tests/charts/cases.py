@@ -88,6 +88,9 @@ _CASES: dict[str, Case] = {
                       "proxy": {"preStopSleepS": 3, "drainGraceS": 60}},
                      replicas=(2, 2)),
     "any-bootstrap": Case({"podNetworkCidrs": [], "allowAnyBootstrap": True}),
+    # One setting drives every wait; then an explicit default for D's other callers.
+    "short-prefill-wait": Case({"timeouts": {"prefillS": 30, "kvTransferS": 7.5}}),
+    "explicit-kv-waits": Case({"timeouts": {"prefillS": 30, "kvRecvS": 45, "kvSendS": 90}}),
 }
 
 

@@ -192,6 +192,12 @@ def test_kv_transfer_config(case: tuple[str, list[Doc]]) -> None:
     assert "bootstrap_addr" not in de and "bootstrap_port" not in de
     assert de.get("allowed_bootstrap_networks", []) == v["podNetworkCidrs"]
     assert ("allowed_bootstrap_networks" in de) == bool(v["podNetworkCidrs"])
+    # One deadline policy (appliance.deadlines): D waits longer than the proxy waits for
+    # P, and P holds KV longer than D waits, unless set otherwise.
+    t = v["timeouts"]
+    recv = t["kvRecvS"] or t["prefillS"] + t["kvTransferS"]
+    assert de["recv_timeout_s"] == pytest.approx(recv)
+    assert pe["send_timeout_s"] == pytest.approx(t["kvSendS"] or recv + t["kvTransferS"])
     dargs = container(workload(docs, "decode"), "vllm")["args"]
     assert flag(dargs, "--middleware") == "appliance.connector.httpguard.KVParamsGuard"
     assert "--middleware" not in container(workload(docs, "prefill"), "vllm")["args"]
@@ -269,6 +275,8 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
     assert got["--k8s-bootstrap-port"] == str(v["ports"]["bootstrap"])
     assert got["--policy"] == v["proxy"]["policy"]
     assert got["--split"] == v["proxy"]["split"]
+    assert float(got["--prefill-timeout"]) == v["timeouts"]["prefillS"]
+    assert float(got["--kv-transfer-timeout"]) == v["timeouts"]["kvTransferS"]
     if v["proxy"].get("itlSloMs") is not None:
         assert float(got["--itl-slo-ms"]) == v["proxy"]["itlSloMs"]
     else:

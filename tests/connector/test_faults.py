@@ -14,6 +14,15 @@ def test_off_unless_the_environment_asks():
     assert f is not None and f.plan == faults.FaultPlan(16, 4, 2.5, 7)
 
 
+def test_a_hold_file_holds_new_prefills_while_it_exists(tmp_path):
+    hold = tmp_path / "hold"
+    f = faults.from_env({faults.ENV: f"prefill_hold_file={hold}"})
+    assert f is not None and not f.holding_prefills()
+    hold.touch()
+    assert f.holding_prefills()
+    assert faults.Faults(faults.FaultPlan()).holding_prefills() is False
+
+
 @pytest.mark.parametrize("text, words", [
     ("write_fail", "is not one of"), ("explode=1", "is not one of"),
     ("write_fail=x", "needs a number"), ("reply_drop=-1", "must not be negative")])

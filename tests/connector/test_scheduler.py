@@ -250,3 +250,44 @@ def test_waiting_second_choice_aborted_does_not_release_the_firsts_transfer():
     assert s.request_finished(_aborted(second), ((),)) == (False, None)
     meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
     assert meta.releases == [] and "0_d1" in meta.recvs
+
+
+def test_a_requests_own_receive_deadline_reaches_the_worker():
+    """The proxy sends D how long to wait for this request's KV (appliance.deadlines)."""
+    s = scheduler("consumer")
+    req = Req("d1", list(range(49)), pull_params(recv_timeout_ms=130_000))
+    assert s.get_num_new_matched_tokens(req, 0) == (49, True)
+    s.update_state_after_alloc(req, Blocks([10, 11, 12, 13]), 49)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.recvs["d1"].timeout_s == 130.0
+    other = Req("d2", list(range(49)), {**pull_params(), "transfer_id": "x2"})
+    s.get_num_new_matched_tokens(other, 0)
+    s.update_state_after_alloc(other, Blocks([20, 21, 22, 23]), 49)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.recvs["d2"].timeout_s is None  # the connector's recv_timeout_s
+
+
+@pytest.mark.parametrize("bad", [0, -5, "9000", True, [1], 86_400_001])
+def test_a_receive_deadline_that_is_not_a_sane_number_is_refused(bad):
+    s = scheduler("consumer")
+    req = Req("d1", list(range(49)), pull_params(recv_timeout_ms=bad))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert [r.transfer_id for r in meta.releases] == ["x1"]
+
+
+def test_a_producer_holding_prefills_keeps_them_queued(tmp_path, monkeypatch):
+    """The fault seam of a backed-up P: vLLM skips a request whose matched tokens are not
+    known yet (None) and asks again next step; an abort meanwhile removes it uncomputed."""
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("PD_FAULT_INJECTION", f"prefill_hold_file={hold}")
+    s = scheduler("producer")
+    req = Req("p1", list(range(40)), {"do_remote_decode": True, "transfer_id": "x1"})
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    hold.touch()
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    plain = Req("p2", list(range(40)), {})
+    assert s.get_num_new_matched_tokens(plain, 0) == (0, False)  # only split prefills wait
+    hold.unlink()
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)

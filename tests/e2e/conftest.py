@@ -24,6 +24,7 @@ from tests.conftest import free_port
 # Short deadlines so failure paths finish quickly in tests.
 TEST_CONNECTOR = {"recv_timeout_s": 8, "send_timeout_s": 15, "cancel_grace_s": 2}
 PREFILL_MAX_LEN = 1024
+HOLD = "hold-prefills"
 
 
 @contextmanager
@@ -60,10 +61,26 @@ def second_proxy(node: LocalNode, log_dir: Path, *args: str) -> tuple[ServicePro
 
 @pytest.fixture(scope="session")
 def pd_node(tiny_model, tmp_path_factory):
-    # P accepts shorter prompts than D, so P can reject what D accepts.
-    with running_node(tiny_model, tmp_path_factory.mktemp("pd-node"), proxy_port=free_port(),
-                      prefill_args=("--max-model-len", str(PREFILL_MAX_LEN))) as node:
+    # P accepts shorter prompts than D, so P can reject what D accepts. P holds new
+    # prefills back while a test makes its hold file (hold_prefills: a backed-up P).
+    logs = tmp_path_factory.mktemp("pd-node")
+    with running_node(tiny_model, logs, proxy_port=free_port(),
+                      prefill_args=("--max-model-len", str(PREFILL_MAX_LEN)),
+                      prefill_env={"PD_FAULT_INJECTION": f"prefill_hold_file={logs / HOLD}"},
+                      ) as node:
         yield node
+
+
+@contextmanager
+def hold_prefills(node: LocalNode) -> Iterator[None]:
+    """P (pd_node's) starts no prefill for a decode node meanwhile: they wait in its queue,
+    as behind a backlog (the connector's fault seam)."""
+    path = node.spec.log_dir / HOLD
+    path.touch()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def token_prompt(n: int, seed: int) -> list[int]:

@@ -86,6 +86,8 @@ BAD = [
     ("model", "gpu_memory_utilization", "1.5", "model.gpu_memory_utilization: Input should be"),
     ("ports", "metrics", "9000", "ports.metrics: unknown key"),
     ("timeouts", "startup_s", "0", "timeouts.startup_s: Input should be greater than 0"),
+    ("timeouts", "kv_transfer_s", "2",
+     "timeouts.kv_transfer_s: Input should be greater than or equal to 5"),
     ("compose", "project", '"PD App"', "compose.project: must be lowercase letters"),
     ("compose", "shm_size", '"lots"', "compose.shm_size: 'lots' is not a size"),
     ("images", "vllm", '"Not An Image"', "images.vllm: 'Not An Image' is not an image reference"),

@@ -62,6 +62,24 @@ def render(pdctl, write_config):
     return run
 
 
+def test_every_wait_derives_from_the_proxys_wait_for_p(render):
+    """One setting (timeouts.prefill_s, with kv_transfer_s): the proxy waits for P, D waits
+    longer for the KV, P holds it longer still (appliance.deadlines)."""
+    def waits(out: Path) -> tuple[dict, dict, list[str]]:
+        services = resolved(out)["services"]
+        p, d = (kv_config(services[r]["command"])["kv_connector_extra_config"]
+                for r in ("prefill", "decode"))
+        return p, d, services["proxy"]["command"]
+
+    p, d, proxy = waits(render(GOOD_TOML + "\n[timeouts]\nprefill_s = 30\n"))
+    assert flag(proxy, "--prefill-timeout") == "30" and flag(proxy, "--kv-transfer-timeout") == "10"
+    assert (d["recv_timeout_s"], p["send_timeout_s"]) == (40, 50)
+    explicit = GOOD_TOML + "\n[timeouts]\nkv_recv_s = 45\nkv_send_s = 90\n"
+    p, d, proxy = waits(render(explicit))
+    assert flag(proxy, "--prefill-timeout") == "120"
+    assert (d["recv_timeout_s"], p["send_timeout_s"]) == (45, 90)
+
+
 def test_default_rdma_host(render):
     out = render(GOOD_TOML)
     model = resolved(out)

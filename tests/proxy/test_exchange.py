@@ -32,7 +32,10 @@ async def test_exact_bodies_for_a_completion(cluster: Cluster) -> None:
         "model": "tiny", "prompt": "hello", "max_tokens": 128, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": True,
                                "remote_bootstrap_addr": cluster.bootstraps[0].url,
-                               "remote_engine_id": "engine-p0-dp0", "transfer_id": xfer},
+                               "remote_engine_id": "engine-p0-dp0", "transfer_id": xfer,
+                               # D waits for the KV longer than the proxy waits for P
+                               "recv_timeout_ms": round(
+                                   1000 * cluster.proxy.proxy.settings.deadlines.recv_s)},
     }
     assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"] == "req-42"
 
@@ -71,7 +74,8 @@ async def test_exact_bodies_for_a_streaming_chat(cluster: Cluster) -> None:
     assert d.body == {**client, "kv_transfer_params": {
         "do_remote_decode": False, "do_remote_prefill": True,
         "remote_bootstrap_addr": cluster.bootstraps[0].url,
-        "remote_engine_id": "engine-p0-dp0", "transfer_id": xfer}}
+        "remote_engine_id": "engine-p0-dp0", "transfer_id": xfer,
+        "recv_timeout_ms": round(1000 * cluster.proxy.proxy.settings.deadlines.recv_s)}}
 
 
 async def test_p_and_d_are_sent_at_the_same_time(cluster: Cluster) -> None:

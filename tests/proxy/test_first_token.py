@@ -282,7 +282,9 @@ async def test_p_token_leads_and_d_continues(ft: Cluster) -> None:
     assert d.kv == {"do_remote_decode": False, "do_remote_prefill": True,
                     "remote_bootstrap_addr": ft.bootstraps[0].url,
                     "remote_engine_id": "engine-p0-dp0", "transfer_id": xfer,
-                    "remote_num_tokens": 5}
+                    "remote_num_tokens": 5,
+                    # P answered: D waits for the write alone (appliance.deadlines)
+                    "recv_timeout_ms": 1000 * ft.proxy.proxy.settings.kv_transfer_s}
     assert 'pd_proxy_first_token_total{outcome="prefill_led"} 1.0' in await ft.metrics()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
@@ -58,6 +59,15 @@ def test_the_rule_with_p_alone(estimates: Estimates, where: str, reason: str) ->
     d = decide("auto", estimates)
     assert (d.where, d.reason) == (where, reason)
     assert d.local == (where != "remote")
+
+
+def test_a_p_that_would_not_answer_within_the_proxys_wait_is_not_asked() -> None:
+    """Remote would end on D alone after the proxy's prefill wait (appliance.deadlines):
+    D now, even when D is the slower of the two and busy decoding."""
+    e = Estimates(100, 31.0, 40.0, 4, 0.05, alone_s=30.5, prefill_deadline_s=30.0)
+    assert (decide("auto", e).where, decide("auto", e).reason) == ("local", "backlog")
+    assert decide("auto", replace(e, alone_s=29.0)).where == "remote"  # P answers in time
+    assert decide("always", e).where == "remote"  # the policy asked for it
 
 
 def test_policies_ignore_estimates() -> None:

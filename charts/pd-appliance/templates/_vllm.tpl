@@ -13,11 +13,14 @@
 {{- $v := (index . 0).Values -}}
 {{- $role := index . 1 -}}
 {{- $keys := include "pd-appliance.keysDir" (index . 0) -}}
-{{- $extra := dict "protocol" $v.transfer.protocol "device_name" $v.transfer.device "host" "$(POD_IP)" "recv_timeout_s" $v.timeouts.kvRecvS "bootstrap_token_file" (printf "%s/bootstrap-token" $keys) "side_channel_key_file" (printf "%s/side-channel.key" $keys) -}}
+{{- /* appliance.deadlines: D waits longer than the proxy, P holds KV longer than D waits. */ -}}
+{{- $recv := $v.timeouts.kvRecvS | default (addf $v.timeouts.prefillS $v.timeouts.kvTransferS) -}}
+{{- $send := $v.timeouts.kvSendS | default (addf $recv $v.timeouts.kvTransferS) -}}
+{{- $extra := dict "protocol" $v.transfer.protocol "device_name" $v.transfer.device "host" "$(POD_IP)" "recv_timeout_s" $recv "bootstrap_token_file" (printf "%s/bootstrap-token" $keys) "side_channel_key_file" (printf "%s/side-channel.key" $keys) -}}
 {{- if eq $role "prefill" -}}
 {{- /* The port, not a URL: the connector builds it from the pod IP (brackets for IPv6). */ -}}
 {{- $_ := set $extra "bootstrap_port" (int $v.ports.bootstrap) -}}
-{{- $_ := set $extra "send_timeout_s" $v.timeouts.kvSendS -}}
+{{- $_ := set $extra "send_timeout_s" $send -}}
 {{- with $v.transfer.internalNetworks }}{{ $_ := set $extra "internal_networks" . }}{{ end -}}
 {{- else -}}
 {{- /* D pulls only from sidecars on the pod network (the proxy names P's by pod IP). */ -}}
