@@ -19,6 +19,7 @@ from typing import Any
 
 from appliance import keys, kvbudget
 from appliance.keys import API_KEY_FILE_ENV, NodeKeys
+from appliance.observability.tracing import DEFAULT_PROTOCOL, ENDPOINT_ENV, PROTOCOL_ENV
 from appliance.process import (
     CPU_BLOCK_SIZE,
     CPU_EAGER,
@@ -58,6 +59,10 @@ class NodeSpec:
     proxy_port: int | None = None
     proxy_host: str | None = None
     proxy_args: tuple[str, ...] = ("--health-interval", "0.5")
+    # Traces (appliance.observability.tracing): P, D (vLLM's spans and the connector's) and
+    # the proxy export to this OTLP endpoint; None: off.
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str = DEFAULT_PROTOCOL
     # Extra vLLM flags per role (appended, so they override the defaults above).
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
@@ -137,11 +142,16 @@ class LocalNode:
                 "proxy",
                 [sys.executable, "-m", "appliance.proxy", "--host", s.proxy_host or s.host,
                  "--port", str(s.proxy_port), "--prefill", f"{s.prefill_url},{s.bootstrap_url}",
-                 "--decode", s.decode_url, *self._proxy_keys(),
+                 "--decode", s.decode_url, *self._proxy_keys(), *self._tracing_args(),
                  # within ServiceProcess.stop's 20 s before SIGKILL
                  "--drain-grace", "10", *s.proxy_args],
                 s.log_dir / "proxy.log", health_url=f"{s.proxy_url}/health")
         self.timings: dict[str, float] = {}
+
+    def _tracing_args(self) -> list[str]:
+        s = self.spec
+        return (["--otlp-traces-endpoint", s.otlp_traces_endpoint, "--otlp-traces-protocol",
+                 s.otlp_traces_protocol] if s.otlp_traces_endpoint else [])
 
     def _proxy_keys(self) -> list[str]:
         k = self.spec.keys
@@ -157,13 +167,16 @@ class LocalNode:
                                block_size=CPU_BLOCK_SIZE, max_model_len=s.max_model_len,
                                kv_transfer_config=s.kv_transfer_config(role),
                                extra=(*CPU_EAGER, *kv_cache_flags(self.kv_bytes), *guard,
-                                      *KV_EVENTS_FLAGS,
+                                      *KV_EVENTS_FLAGS, *self._tracing_args()[:2],
                                       *(s.prefill_args if role == "kv_producer"
                                         else s.decode_args)))
         role_env = s.prefill_env if role == "kv_producer" else s.decode_env
-        key_env = {API_KEY_FILE_ENV: str(s.keys.api_key)} if s.secure else {}
+        own_env = {API_KEY_FILE_ENV: str(s.keys.api_key)} if s.secure else {}
+        if s.otlp_traces_endpoint:  # vLLM's own exporter and the connector's read these
+            own_env |= {ENDPOINT_ENV: s.otlp_traces_endpoint,
+                        PROTOCOL_ENV: s.otlp_traces_protocol}
         return ServiceProcess(name, argv, s.log_dir / f"{name}.log",
-                              env={**cpu_env(_omp_bind(cpus), s.host), **key_env,
+                              env={**cpu_env(_omp_bind(cpus), s.host), **own_env,
                                    **s.extra_env, **role_env},
                               health_url=f"http://{s.host}:{port}/health", cpus=cpus)
 

@@ -57,6 +57,9 @@ class PDConnectorMetadata(KVConnectorMetadata):
     # This step schedules no tokens: the engine only waits (on D, for KV). The worker may
     # then wait a little for a pull to end instead of returning at once (reports module).
     idle: bool = False
+    # Both: the `traceparent` of the requests of this step's sends and pulls, transfer_id
+    # -> header value (appliance.connector.spans; only requests sent with one).
+    trace_parents: dict[str, str] = field(default_factory=dict)
     # Consumer: new pulls, req_id -> spec (step 18).
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     # Consumer: requests aborted while waiting for remote KV, req_id -> transfer_id.

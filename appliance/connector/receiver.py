@@ -28,6 +28,7 @@ from appliance.connector.peers import Peer, Peers
 from appliance.connector.plan import PlanError, Region
 from appliance.connector.reports import Reports
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.spans import TransferSpans
 from appliance.connector.state import Transfer, TransferState
 from appliance.connector.stats import TransferStats
 from appliance.connector.tpplan import pulls_for, unpulled_ranks
@@ -83,6 +84,7 @@ class Receiver:
         self._tp_sizes: dict[tuple[str, str], int] = {}
         self._lookups: dict[tuple[str, str], asyncio.Future] = {}
         self._reports = Reports()
+        self.spans = TransferSpans("decode", settings.engine_id, tp_rank)
         self._tasks = [asyncio.create_task(self._deadline_loop())]
 
     # --- calls from vLLM's worker thread (via the loop) ------------------------------------
@@ -379,6 +381,15 @@ class Receiver:
             ok = False
             inc.fail(error or "failed", d_req=inc.d_req_id)
         self.stats.record_recv(ok)
+        if self.spans.on and inc.spec is not None:
+            nbytes = sum(r.block_bytes * len(inc.spec.block_ids[r.group]) for r in self.regions
+                         if r.group < len(inc.spec.block_ids))
+            took = time.monotonic() - inc.created
+            self.spans.record("pd.kv_pull", inc.transfer_id, inc.created, {
+                "pd.d_req": inc.d_req_id, "pd.bytes": nbytes,
+                "pd.blocks": sum(map(len, inc.spec.block_ids)),
+                "pd.gbps": nbytes / took / 1e9 if took > 0 else 0.0},
+                error=None if ok else inc.error or error or "failed")
         if ok:
             log.info("received d_req=%s transfer=%s blocks=%d in %.1f ms", inc.d_req_id,
                      inc.transfer_id, sum(map(len, inc.spec.block_ids)) if inc.spec else 0,

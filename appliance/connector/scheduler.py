@@ -30,6 +30,7 @@ from appliance.connector import engine_wait, faults
 from appliance.connector.groups import KVGroup, needed_blocks
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.spans import traceparent_of
 from appliance.deadlines import MAX_RECV_MS
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ class PDScheduler:
                     remote_bootstrap_addr=params["remote_bootstrap_addr"],
                     timeout_s=_timeout_s(params.get("recv_timeout_ms")))
                 self._recving[request.request_id] = params["transfer_id"]
+                self._trace(request, params["transfer_id"])
             else:
                 # Full local prefix hit: nothing to pull, but P holds blocks for us.
                 self._release(params)
@@ -254,7 +256,13 @@ class PDScheduler:
             blocks = needed_blocks(self.groups, self.kv_cache_manager.get_block_ids(req_id),
                                    req.num_prompt_tokens)
             self._meta.ready_sends[req_id] = (send.transfer_id, blocks)
+            self._trace(req, send.transfer_id)
             send.ready = True
+
+    def _trace(self, request: Request, transfer_id: str) -> None:
+        parent = traceparent_of(request)
+        if parent is not None:
+            self._meta.trace_parents[transfer_id] = parent
 
     def _transfer_problem(self, params: dict[str, Any]) -> str | None:
         """Why these params name no transfer this node may contact P about (None: they do,

@@ -31,6 +31,7 @@ from appliance.connector.outgoing import Outgoing, write
 from appliance.connector.plan import PlanError, Region
 from appliance.connector.registration import keep_registered
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.spans import TransferSpans
 from appliance.connector.state import TransferState
 from appliance.connector.stats import TransferStats
 from appliance.connector.tpplan import Leg, leg_for
@@ -49,6 +50,7 @@ class Sender(Ledger):
         self._internal = guard.networks(settings.internal_networks)
         self._curve: curve.CurveServer | None = None
         self.faults = faults.from_env()  # None unless a test asks (PD_FAULT_INJECTION)
+        self.spans = TransferSpans("prefill", settings.engine_id, tp_rank)
         self._write = self.faults.wrap_write(write) if self.faults else write
         self.settings = settings
         self.transport = transport
@@ -310,6 +312,9 @@ class Sender(Ledger):
         if t.state is TransferState.WAITING_FOR_INPUT:
             t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
         t.writing += 1
+        started = time.monotonic()
+        span = {"pd.p_req": t.p_req_id or "", "pd.d_req": d_req, "pd.d_rank": leg.d_rank,
+                "pd.blocks": sum(map(len, entry.block_ids))}
         try:
             descs = build_group_descriptors(leg.src, leg.dst, t.block_ids, entry.block_ids)
             fence = t.fence
@@ -318,6 +323,7 @@ class Sender(Ledger):
                 self.settings.max_batch_descs, t.stop_reason)
         except (PlanError, TransferError) as exc:
             self.stats.record_failure()
+            self.spans.record("pd.kv_write", tid, started, span, error=str(exc))
             t.fail(str(exc), p_req=t.p_req_id, d_req=d_req)
             self._settle(t)
             return False, str(exc)
@@ -331,6 +337,9 @@ class Sender(Ledger):
             self._settle(t)
             return False, t.error or "preempted"
         self.stats.record_transfer(result.nbytes, result.descriptors, result.seconds)
+        self.spans.record("pd.kv_write", tid, started, {
+            **span, "pd.bytes": result.nbytes, "pd.descriptors": result.descriptors,
+            "pd.write_s": result.seconds, "pd.gbps": result.gbps})
         t.served.add(leg.d_rank)
         log.info("sent p_req=%s d_req=%s transfer=%s blocks=%d bytes=%d descs=%d in %.1f ms "
                  "(%.2f GB/s)%s", t.p_req_id, d_req, tid, sum(map(len, entry.block_ids)),

@@ -267,6 +267,8 @@ class PDWorker:
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
         if self.side is None:
             return
+        if meta.trace_parents:  # before the sends and pulls they belong to, in loop order
+            self.loop.call(self.side.spans.parents, dict(meta.trace_parents))
         if self.settings.is_producer:
             # A runner that never called handle_preemptions (none in vLLM 0.32) still gets
             # them handled, as early as it lets us.

@@ -1,2 +1,3 @@
-"""What an SRE watches a node with: the Grafana dashboard, built from code, beside the
-Prometheus scrape config and alert rules in config/prometheus/."""
+"""What an SRE watches a node with: traces (OpenTelemetry: `tracing`), and the Grafana
+dashboard, built from code, beside the Prometheus scrape config and alert rules in
+config/prometheus/."""

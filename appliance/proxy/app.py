@@ -43,6 +43,7 @@ from appliance.proxy.split import (
     parse_request,
     uuid4_str,
 )
+from appliance.proxy.tracing import Tracing
 from appliance.proxy.upstream import Upstreams
 
 log = logging.getLogger("appliance.proxy")
@@ -70,6 +71,8 @@ class Proxy:
         self.poller: HealthPoller | None = None
         self.discovery: KubernetesDiscovery | None = None
         self.prefix: PrefixCache | None = None  # the prefix index: auto or cache-aware routing
+        self.tracing = (None if not settings.otlp_traces_endpoint else
+                        Tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol))
         self.base_headers: dict[str, str] = {}
         if settings.backend_api_key:
             self.base_headers["Authorization"] = f"Bearer {settings.backend_api_key}"
@@ -141,6 +144,8 @@ class Proxy:
             await self.session.close()
         await self.upstreams.close()
         await self.releaser.close()
+        if self.tracing is not None:
+            self.tracing.close()
 
     def _landed(self, kv: PrefillKV) -> bool:
         return self.prefix is not None and self.prefix.holds(kv.d_url, kv.lands)
@@ -218,6 +223,8 @@ class Proxy:
             rec = Record(route, given, time.monotonic())
         else:  # absent, or not safe to send upstream verbatim
             rec = Record(route, uuid4_str(), time.monotonic(), own_request_id=True)
+        if self.tracing is not None:
+            rec.trace = self.tracing.begin(rec)
         self.in_flight += 1
         try:
             resp = await self._generate(request, rec)
@@ -251,6 +258,8 @@ class Proxy:
             self._learn(rec)
             self.metrics.count_request(route, rec.status)
             rec.observe_client(self.metrics, time.monotonic())
+            if rec.trace is not None:
+                rec.trace.finish(rec)
             if self.settings.log_requests:
                 rec.log()
 

@@ -52,9 +52,12 @@ class Exchange:
         self.pulls = pulls
         self.base_headers = base_headers
 
-    def _headers(self, rec: Record) -> dict[str, str]:
+    def _headers(self, rec: Record, node: Backend) -> dict[str, str]:
+        """A call's headers; with tracing on, its span begins and its context goes along."""
         h = {"Content-Type": "application/json", "X-Request-Id": rec.request_id}
         h.update(self.base_headers)
+        if rec.trace is not None:
+            h.update(rec.trace.call(node.role, node.url, rec))
         return h
 
     def _prefill_headers(self, rec: Record, kv: PrefillKV) -> dict[str, str]:
@@ -63,7 +66,7 @@ class Exchange:
         to pull from; without it P's server balances by itself and D waits on the wrong
         engine. One rank alone (no DP, or an external load balancer in front of each rank)
         gets none: such a server accepts only its local rank index."""
-        h = self._headers(rec)
+        h = self._headers(rec, kv.p)
         if len(kv.p.engine_ids) > 1:
             h["X-data-parallel-rank"] = str(kv.rank)
         return h
@@ -86,7 +89,7 @@ class Exchange:
         """P and D at once; P's outcome before any byte of D's reaches the client."""
         kv, engine_id = self._pair(rec, p, d)
         transfer_id = kv.transfer_id
-        headers = self._headers(rec)
+        headers = self._headers(rec, d)
         p_headers = self._prefill_headers(rec, kv)
         p_data = _encode(prefill_body(body, rec.route, transfer_id))
         d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id,
@@ -311,7 +314,7 @@ class Exchange:
         rec.serve_sent_at = time.monotonic()
         try:
             return await self.upstreams.pool(d.url).send(
-                route, data, self._headers(rec),
+                route, data, self._headers(rec, d),
                 read_timeout=self.settings.decode_read_timeout_s)
         except UpstreamError as exc:
             raise self.relay.decode_error(d, exc) from None

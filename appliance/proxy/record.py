@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from appliance.proxy.metrics import ProxyMetrics
     from appliance.proxy.placement import Decision, Ticket
     from appliance.proxy.prefix import Lookup
+    from appliance.proxy.tracing import RequestTrace
 
 access_log = logging.getLogger("appliance.proxy.access")
 
@@ -55,6 +56,8 @@ class Record:
     tokens_out: int = 0
     usage_prompt: int | None = None
     usage_output: int | None = None
+    # Its spans, when tracing is on (appliance.proxy.tracing).
+    trace: RequestTrace | None = None
 
     @property
     def local(self) -> bool:
@@ -103,6 +106,8 @@ class Record:
         """P answered (its KV is ready for D): its prefill leaves P's queue."""
         self.prefilled_at = now
         self.prompt_tokens = prompt_tokens
+        if self.trace is not None:
+            self.trace.end("prefill")
         if self.ticket is not None:
             self.ticket.close(now, learn=ok, tokens=prompt_tokens)
 

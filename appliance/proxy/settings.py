@@ -97,6 +97,10 @@ class ProxySettings(BaseModel):
     # and D alone answers. D's receive deadline and P's hold derive from it and from
     # kv_transfer_s, D's wait beyond it for the write (appliance.deadlines).
     prefill_timeout_s: float = Field(DEFAULT_PREFILL_S, gt=0)
+    # Traces (OpenTelemetry, appliance.proxy.tracing): off unless an OTLP endpoint is set;
+    # the protocol is vLLM's default unless told (P and D must export the same way).
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: Literal["grpc", "http/protobuf"] = "grpc"
     kv_transfer_s: float = Field(DEFAULT_TRANSFER_S, ge=WRITE_MARGIN_MAX_S)
     # Longest silence from D, counted from P's answer (D waits for the KV before it speaks;
     # a non-streaming answer is one long silence).
@@ -296,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS")
     p.add_argument("--prefill-timeout", dest="prefill_timeout_s", type=float,
                    metavar="SECONDS")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export a trace per request over OTLP (off by default)")
+    p.add_argument("--otlp-traces-protocol", choices=("grpc", "http/protobuf"))
     p.add_argument("--kv-transfer-timeout", dest="kv_transfer_s", type=float,
                    metavar="SECONDS", help="D's wait for the KV beyond --prefill-timeout")
     p.add_argument("--decode-read-timeout", dest="decode_read_timeout_s", type=float,

@@ -291,3 +291,17 @@ def test_a_producer_holding_prefills_keeps_them_queued(tmp_path, monkeypatch):
     assert s.get_num_new_matched_tokens(plain, 0) == (0, False)  # only split prefills wait
     hold.unlink()
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_the_trace_context_vllm_received_goes_to_the_worker_by_transfer():
+    """vLLM hands the scheduler each request's trace headers (the proxy's call span):
+    the worker records the transfer under it (appliance.connector.spans)."""
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    d = scheduler("consumer")
+    req = Req("d1", list(range(49)), pull_params())
+    req.trace_headers = {"traceparent": tp}  # type: ignore[attr-defined]
+    d.get_num_new_matched_tokens(req, 0)
+    d.update_state_after_alloc(req, Blocks([10, 11, 12, 13]), 49)
+    assert d.build_connector_meta(
+        SimpleNamespace(num_scheduled_tokens={})).trace_parents == {"x1": tp}
+    assert d.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).trace_parents == {}

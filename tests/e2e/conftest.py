@@ -20,6 +20,7 @@ from appliance.localnode import LocalNode, NodeSpec
 from appliance.process import ServiceProcess
 from appliance.proxy.split import decode_body, prefill_body
 from tests.conftest import free_port
+from tests.otlp import Collector
 
 # Short deadlines so failure paths finish quickly in tests.
 TEST_CONNECTOR = {"recv_timeout_s": 8, "send_timeout_s": 15, "cancel_grace_s": 2}
@@ -60,14 +61,23 @@ def second_proxy(node: LocalNode, log_dir: Path, *args: str) -> tuple[ServicePro
 
 
 @pytest.fixture(scope="session")
-def pd_node(tiny_model, tmp_path_factory):
+def otlp_collector() -> Iterator[Collector]:
+    """The OTLP/HTTP receiver pd_node's P and D export their traces to."""
+    with Collector() as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def pd_node(tiny_model, tmp_path_factory, otlp_collector):
     # P accepts shorter prompts than D, so P can reject what D accepts. P holds new
-    # prefills back while a test makes its hold file (hold_prefills: a backed-up P).
+    # prefills back while a test makes its hold file (hold_prefills: a backed-up P). P, D
+    # and the proxy export traces (test_pd_tracing).
     logs = tmp_path_factory.mktemp("pd-node")
     with running_node(tiny_model, logs, proxy_port=free_port(),
                       prefill_args=("--max-model-len", str(PREFILL_MAX_LEN)),
                       prefill_env={"PD_FAULT_INJECTION": f"prefill_hold_file={logs / HOLD}"},
-                      ) as node:
+                      otlp_traces_endpoint=otlp_collector.url,
+                      otlp_traces_protocol="http/protobuf") as node:
         yield node
 
 

@@ -1,0 +1,80 @@
+"""One client request as a trace (appliance.observability.tracing): the request's span and
+a child for each call to P or D, whose trace context goes with the call."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from appliance.observability import tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span, Tracer
+
+    from appliance.proxy.record import Record
+
+
+class Tracing:
+    """The proxy's tracer (made only when an OTLP endpoint is set)."""
+
+    def __init__(self, endpoint: str, protocol: str) -> None:
+        self.provider: TracerProvider = tracing.provider("pd-proxy", endpoint, protocol)
+        self.tracer: Tracer = self.provider.get_tracer("appliance.proxy")
+
+    def begin(self, rec: Record) -> RequestTrace:
+        return RequestTrace(self.tracer, rec)
+
+    def close(self) -> None:
+        self.provider.shutdown()  # exports what is buffered
+
+
+class RequestTrace:
+    def __init__(self, tracer: Tracer, rec: Record) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        self._tracer = tracer
+        self._kind = SpanKind.CLIENT
+        # Started where the record was: the client's request has been read by then.
+        started = time.time_ns() - round((time.monotonic() - rec.started) * 1e9)
+        self.root = tracer.start_span(
+            "pd.request", kind=SpanKind.SERVER, start_time=started,
+            attributes={"http.route": rec.route, "pd.request_id": rec.request_id})
+        self._parent = trace.set_span_in_context(self.root)
+        self._calls: dict[str, Span] = {}
+
+    def call(self, role: str, url: str, rec: Record) -> dict[str, str]:
+        """A call to a `role` node begins (ending this request's earlier one there): the
+        headers that carry its span's context."""
+        self.end(role)
+        span = self._tracer.start_span(
+            f"pd.{role}", context=self._parent, kind=self._kind,
+            attributes={"pd.node": url, "pd.request_id": rec.request_id,
+                        "pd.transfer_id": rec.transfer_id})
+        self._calls[role] = span
+        return tracing.headers_of(span)
+
+    def end(self, role: str) -> None:
+        span = self._calls.pop(role, None)
+        if span is not None:
+            span.end()
+
+    def finish(self, rec: Record) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        for role in list(self._calls):
+            self.end(role)
+        attrs: dict[str, str | int] = {"http.status_code": rec.status, "pd.path": rec.path,
+                                       "pd.transfer_id": rec.transfer_id,
+                                       "pd.output_tokens": rec.usage_output or rec.tokens_out}
+        if rec.placed is not None:
+            attrs["pd.split"] = f"{rec.placed.where}:{rec.placed.reason}"
+        if rec.fallback:
+            attrs["pd.fallback"] = rec.fallback
+        if rec.usage_prompt or rec.prompt_tokens:
+            attrs["pd.prompt_tokens"] = rec.usage_prompt or rec.prompt_tokens or 0
+        self.root.set_attributes(attrs)
+        if rec.status >= 500 or rec.error:
+            self.root.set_status(Status(StatusCode.ERROR, rec.error or str(rec.status)))
+        self.root.end()

@@ -1,0 +1,112 @@
+"""A real OTLP/HTTP trace receiver for tests: POST /v1/traces with an
+ExportTraceServiceRequest (protobuf, decoded by opentelemetry-proto), on 127.0.0.1, in a
+thread of its own so any test or fixture scope can use it."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str
+    service: str
+    trace_id: str
+    span_id: str
+    parent_id: str  # "" for a root
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any] = field(hash=False)
+    error: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    raw = gzip.decompress(raw)
+                outer._add(ExportTraceServiceRequest.FromString(raw))
+                body = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _add(self, req: ExportTraceServiceRequest) -> None:
+        got = []
+        for rs in req.resource_spans:
+            res = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    got.append(Span(
+                        s.name, str(res.get("service.name", "")), s.trace_id.hex(),
+                        s.span_id.hex(), s.parent_span_id.hex(), s.start_time_unix_nano,
+                        s.end_time_unix_nano, {a.key: _value(a.value) for a in s.attributes},
+                        s.status.code == 2))
+        with self._lock:
+            self.spans.extend(got)
+
+    def trace(self, trace_id: str) -> list[Span]:
+        with self._lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+    def wait(self, trace_id: str, names: set[str], timeout: float = 30) -> list[Span]:
+        """The trace's spans once every name in `names` is among them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            spans = self.trace(trace_id)
+            if names <= {s.name for s in spans}:
+                return spans
+            if time.monotonic() > deadline:
+                raise AssertionError(f"trace {trace_id}: {sorted(s.name for s in spans)}, "
+                                     f"wanted {sorted(names)}")
+            time.sleep(0.1)
+
+    def __enter__(self) -> Collector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def trace_id_of(traceparent: str) -> str:
+    return traceparent.split("-")[1]
+
+
+def span_id_of(traceparent: str) -> str:
+    return traceparent.split("-")[2]

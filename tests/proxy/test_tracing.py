@@ -1,0 +1,74 @@
+"""Traces (appliance.proxy.tracing) exported to a real OTLP/HTTP receiver: one trace per
+request, the request's span with a child per call to P and D, each call carrying its span's
+W3C context; off unless an endpoint is set."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.otlp import Collector, span_id_of, trace_id_of
+from tests.proxy.conftest import MakeCluster
+
+STREAM = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+
+
+@pytest.fixture
+def collector(monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export within moments
+    with Collector() as c:
+        yield c
+
+
+async def test_a_split_request_is_one_trace_with_a_span_per_call(make_cluster: MakeCluster,
+                                                                collector: Collector) -> None:
+    c = await make_cluster(otlp_traces_endpoint=collector.url,
+                           otlp_traces_protocol="http/protobuf")
+    status, data, _ = await c.post()
+    assert status == 200
+    (p,), (d,) = c.prefill[0].received, c.decode[0].received
+    p_parent, d_parent = p.headers["traceparent"], d.headers["traceparent"]
+    trace_id = trace_id_of(p_parent)
+    assert trace_id_of(d_parent) == trace_id
+    spans = {s.name: s for s in collector.wait(trace_id, {"pd.request", "pd.prefill",
+                                                            "pd.decode"})}
+    root, prefill, decode = spans["pd.request"], spans["pd.prefill"], spans["pd.decode"]
+    assert root.parent_id == "" and root.service == "pd-proxy"
+    assert prefill.parent_id == decode.parent_id == root.span_id
+    # P's and D's own spans (vLLM's llm_request, the connector's) hang under these.
+    assert (span_id_of(p_parent), span_id_of(d_parent)) == (prefill.span_id, decode.span_id)
+    xfer = p.kv["transfer_id"]
+    assert root.attributes["pd.transfer_id"] == prefill.attributes["pd.transfer_id"] == xfer
+    assert root.attributes["pd.request_id"] == p.headers["X-Request-Id"]
+    assert root.attributes["http.status_code"] == 200
+    assert root.attributes["pd.path"] == "split"
+    assert prefill.attributes["pd.node"] == c.prefill[0].url
+    assert root.start_ns <= prefill.start_ns <= prefill.end_ns <= root.end_ns
+    assert root.start_ns <= decode.start_ns <= decode.end_ns <= root.end_ns
+
+
+async def test_a_first_token_stream_and_a_fallback_are_traced(make_cluster: MakeCluster,
+                                                             collector: Collector) -> None:
+    c = await make_cluster(otlp_traces_endpoint=collector.url,
+                           otlp_traces_protocol="http/protobuf", first_token_from_prefill=True)
+    async with c.http.post(f"{c.url}/v1/completions", json=STREAM) as r:
+        assert r.status == 200
+        await r.read()
+    trace_id = trace_id_of(c.prefill[0].received[0].headers["traceparent"])
+    names = [s.name for s in collector.wait(trace_id, {"pd.request", "pd.prefill",
+                                                        "pd.decode"})]
+    assert sorted(names) == ["pd.decode", "pd.prefill", "pd.request"]
+    await c.prefill[0].stop()  # P unreachable: D alone answers, in the same kind of trace
+    status, _, _ = await c.post()
+    assert status == 200
+    d = c.decode[0].received[-1]
+    spans = collector.wait(trace_id_of(d.headers["traceparent"]), {"pd.request", "pd.decode"})
+    root = next(s for s in spans if s.name == "pd.request")
+    assert root.attributes["pd.path"] == "d_alone" and "pd.fallback" in root.attributes
+
+
+async def test_off_by_default_nothing_is_sent(make_cluster: MakeCluster) -> None:
+    c = await make_cluster()
+    status, _, _ = await c.post()
+    assert status == 200
+    assert "traceparent" not in c.prefill[0].received[0].headers
+    assert "traceparent" not in c.decode[0].received[0].headers
