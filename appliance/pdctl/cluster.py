@@ -46,6 +46,7 @@ from appliance.pdctl.config import (
     ProxySection,
     Stack,
     TimeoutsSection,
+    TracingSection,
     TransferSection,
     engine_id,
     load_validated,
@@ -94,6 +95,7 @@ class ClusterDescription(_Section):
     transfer: TransferSection = Field(default_factory=TransferSection)
     # Carried into every host's config as they are.
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
+    tracing: TracingSection = Field(default_factory=TracingSection)
     images: ImagesSection = Field(default_factory=ImagesSection)
     compose: ComposeSection = Field(default_factory=ComposeSection)
     kubernetes: KubernetesSection = Field(default_factory=KubernetesSection)
@@ -133,6 +135,7 @@ class ClusterDescription(_Section):
             "model": self.model.model_dump(exclude_none=True),
             "transfer": self.transfer.model_dump(), "ports": self.ports.model_dump(),
             "timeouts": self.timeouts.model_dump(),
+            "tracing": self.tracing.model_dump(),
             "images": self.images.model_dump(exclude_none=True),
             "compose": self.compose.model_dump(), "cluster": part.model_dump(),
             "proxy": self.proxy.model_dump(include=set(ProxySection.model_fields))})

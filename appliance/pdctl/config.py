@@ -33,6 +33,7 @@ from appliance.pdctl.sections import (  # noqa: F401 - re-exported: the config's
     ProxySection,
     TimeoutsSection,
     TlsSection,
+    TracingSection,
     TransferSection,
     _safe_path,
     _Section,
@@ -261,6 +262,7 @@ class HostConfig(_Section):
     images: ImagesSection = Field(default_factory=ImagesSection)
     compose: ComposeSection = Field(default_factory=ComposeSection)
     proxy: ProxySection = Field(default_factory=ProxySection)
+    tracing: TracingSection = Field(default_factory=TracingSection)
     cluster: ClusterPart | None = None
 
     def instances(self, role: str) -> list[list[int]]:

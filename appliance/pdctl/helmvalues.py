@@ -106,6 +106,8 @@ def helm_values(desc: ClusterDescription) -> dict[str, Any]:
             "decodeReadS": desc.timeouts.decode_read_s,
         },
         "bootstrap": {"ttlS": math.ceil(desc.timeouts.bootstrap_ttl_s)},
+        "tracing": {"otlpEndpoint": desc.tracing.otlp_endpoint or "",
+                    "protocol": desc.tracing.protocol},
         "images": {"slim": _image(desc.images.slim)},
         "keys": {"existingSecret": KEYS_SECRET},
         "podNetworkCidrs": list(desc.kubernetes.pod_network_cidrs),

@@ -58,7 +58,8 @@ def proxy_args(cfg: HostConfig, out_dir: Path) -> list[str]:
     k = keys.NodeKeys(keys_dir(out_dir))
     args = ["--backend-api-key-file", str(k.api_key),
             "--bootstrap-token-file", bootstrap_token_file(cfg, out_dir),
-            "--side-channel-key-file", str(k.side_channel_key), *cfg.proxy.args()]
+            "--side-channel-key-file", str(k.side_channel_key), *cfg.proxy.args(),
+            *cfg.tracing.proxy_args()]
     if cfg.auth.api_keys_file:
         args += ["--config", str(out_dir / PROXY_FILE)]
         if cfg.auth.protect_ops_endpoints:
@@ -96,7 +97,7 @@ def kv_cache_bytes(cfg: HostConfig) -> int:
 
 def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
     m, p, t = cfg.model, cfg.ports, cfg.timeouts
-    common = list(m.extra_args)
+    common = [*cfg.tracing.vllm_args(), *m.extra_args]
     if cfg.stack == "cpu":
         common = ["--kv-cache-memory-bytes", str(kv_cache_bytes(cfg)), *common]
     if m.max_model_len:
@@ -149,6 +150,8 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_PREFILL_TIMEOUT": _num(t.prefill_s),
         "PD_DECODE_READ_TIMEOUT": _num(t.decode_read_s),
         "PD_VLLM_START_PERIOD": f"{int(t.startup_s)}s",
+        "PD_OTLP_TRACES_ENDPOINT": cfg.tracing.otlp_endpoint or "",
+        "PD_OTLP_TRACES_PROTOCOL": cfg.tracing.protocol,
         "PD_PREFILL_ARGS": shlex.join([*common, *m.prefill_extra_args]),
         "PD_DECODE_ARGS": shlex.join([*common, *m.decode_extra_args]),
         "PD_PROXY_ARGS": shlex.join(proxy_args(cfg, out_dir)),

@@ -171,6 +171,28 @@ class ProxySection(_Section):
         return out
 
 
+class TracingSection(_Section):
+    """Traces (OpenTelemetry, appliance.observability.tracing): off unless an OTLP endpoint
+    is set; then P and D (vLLM's spans and the connector's) and the proxy export there."""
+
+    otlp_endpoint: str | None = None  # e.g. http://10.0.0.5:4317 (grpc)
+    protocol: Literal["grpc", "http/protobuf"] = "grpc"
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+(/\S*)?$", v):
+            raise ValueError(f"{v!r} is not an http:// or https:// URL")
+        return v
+
+    def vllm_args(self) -> list[str]:
+        return ["--otlp-traces-endpoint", self.otlp_endpoint] if self.otlp_endpoint else []
+
+    def proxy_args(self) -> list[str]:
+        return ([*self.vllm_args(), "--otlp-traces-protocol", self.protocol]
+                if self.otlp_endpoint else [])
+
+
 class ComposeSection(_Section):
     project: str = "pd-appliance"
     shm_size: str = "16g"

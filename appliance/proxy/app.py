@@ -72,7 +72,8 @@ class Proxy:
         self.discovery: KubernetesDiscovery | None = None
         self.prefix: PrefixCache | None = None  # the prefix index: auto or cache-aware routing
         self.tracing = (None if not settings.otlp_traces_endpoint else
-                        Tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol))
+                        Tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol,
+                                settings.otlp_traces_sample_ratio))
         self.base_headers: dict[str, str] = {}
         if settings.backend_api_key:
             self.base_headers["Authorization"] = f"Bearer {settings.backend_api_key}"

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from appliance.proxy.metrics import ProxyMetrics
     from appliance.proxy.placement import Decision, Ticket
     from appliance.proxy.prefix import Lookup
-    from appliance.proxy.tracing import RequestTrace
+    from appliance.proxy.tracing import RequestTrace, Unsampled
 
 access_log = logging.getLogger("appliance.proxy.access")
 
@@ -57,7 +57,7 @@ class Record:
     usage_prompt: int | None = None
     usage_output: int | None = None
     # Its spans, when tracing is on (appliance.proxy.tracing).
-    trace: RequestTrace | None = None
+    trace: RequestTrace | Unsampled | None = None
 
     @property
     def local(self) -> bool:

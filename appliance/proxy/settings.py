@@ -101,6 +101,8 @@ class ProxySettings(BaseModel):
     # the protocol is vLLM's default unless told (P and D must export the same way).
     otlp_traces_endpoint: str | None = None
     otlp_traces_protocol: Literal["grpc", "http/protobuf"] = "grpc"
+    # The share of requests traced (each a whole trace, P's and D's spans included).
+    otlp_traces_sample_ratio: float = Field(1.0, ge=0, le=1)
     kv_transfer_s: float = Field(DEFAULT_TRANSFER_S, ge=WRITE_MARGIN_MAX_S)
     # Longest silence from D, counted from P's answer (D waits for the KV before it speaks;
     # a non-streaming answer is one long silence).
@@ -303,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="export a trace per request over OTLP (off by default)")
     p.add_argument("--otlp-traces-protocol", choices=("grpc", "http/protobuf"))
+    p.add_argument("--otlp-traces-sample-ratio", type=float, metavar="RATIO",
+                   help="the share of requests traced (default 1)")
     p.add_argument("--kv-transfer-timeout", dest="kv_transfer_s", type=float,
                    metavar="SECONDS", help="D's wait for the KV beyond --prefill-timeout")
     p.add_argument("--decode-read-timeout", dest="decode_read_timeout_s", type=float,

@@ -3,6 +3,7 @@ a child for each call to P or D, whose trace context goes with the call."""
 
 from __future__ import annotations
 
+import random
 import time
 from typing import TYPE_CHECKING
 
@@ -18,15 +19,38 @@ if TYPE_CHECKING:
 class Tracing:
     """The proxy's tracer (made only when an OTLP endpoint is set)."""
 
-    def __init__(self, endpoint: str, protocol: str) -> None:
-        self.provider: TracerProvider = tracing.provider("pd-proxy", endpoint, protocol)
+    def __init__(self, endpoint: str, protocol: str, sample_ratio: float = 1.0) -> None:
+        self.provider: TracerProvider = tracing.provider("pd-proxy", endpoint, protocol,
+                                                         root=True)
         self.tracer: Tracer = self.provider.get_tracer("appliance.proxy")
+        self.sample_ratio = sample_ratio
 
-    def begin(self, rec: Record) -> RequestTrace:
+    def begin(self, rec: Record) -> RequestTrace | Unsampled:
+        if self.sample_ratio < 1.0 and random.random() >= self.sample_ratio:
+            return Unsampled()
         return RequestTrace(self.tracer, rec)
 
     def close(self) -> None:
         self.provider.shutdown()  # exports what is buffered
+
+
+class Unsampled:
+    """A request not traced: no span is made (the SDK's unsampled spans cost a third of a
+    sampled one's), but its calls carry a context whose sampled flag is off, so vLLM and
+    the connector record nothing for it either (vLLM would start a trace of its own for a
+    request that came without one)."""
+
+    def __init__(self) -> None:
+        self._trace = f"00-{random.getrandbits(128):032x}-"
+
+    def call(self, role: str, url: str, rec: Record) -> dict[str, str]:
+        return {"traceparent": f"{self._trace}{random.getrandbits(64) or 1:016x}-00"}
+
+    def end(self, role: str) -> None:
+        pass
+
+    def finish(self, rec: Record) -> None:
+        pass
 
 
 class RequestTrace:

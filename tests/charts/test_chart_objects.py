@@ -277,6 +277,17 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
     assert got["--split"] == v["proxy"]["split"]
     assert float(got["--prefill-timeout"]) == v["timeouts"]["prefillS"]
     assert float(got["--kv-transfer-timeout"]) == v["timeouts"]["kvTransferS"]
+    endpoint = v["tracing"]["otlpEndpoint"]
+    assert got.get("--otlp-traces-endpoint", "") == endpoint
+    assert ("--otlp-traces-protocol" in got) == bool(endpoint)
+    for role in ROLES:
+        vllm = container(workload(docs, role), "vllm")
+        if endpoint:
+            assert flag(vllm["args"], "--otlp-traces-endpoint") == endpoint
+        else:
+            assert "--otlp-traces-endpoint" not in vllm["args"]
+        names = {e["name"]: e.get("value") for e in vllm["env"]}
+        assert names.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == (endpoint or None)
     if v["proxy"].get("itlSloMs") is not None:
         assert float(got["--itl-slo-ms"]) == v["proxy"]["itlSloMs"]
     else:

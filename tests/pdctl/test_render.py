@@ -80,6 +80,26 @@ def test_every_wait_derives_from_the_proxys_wait_for_p(render):
     assert (d["recv_timeout_s"], p["send_timeout_s"]) == (45, 90)
 
 
+def test_tracing_on_reaches_p_d_and_the_proxy(render):
+    """[tracing]: vLLM's --otlp-traces-endpoint and OpenTelemetry's variables for P and D
+    (their engine and worker processes, the connector), the proxy's flags; off: none."""
+    endpoint = "http://10.0.0.5:4318/v1/traces"
+    services = resolved(render(GOOD_TOML + f'\n[tracing]\notlp_endpoint = "{endpoint}"\n'
+                               'protocol = "http/protobuf"\n'))["services"]
+    for role in ("prefill", "decode"):
+        svc = services[role]
+        assert flag(svc["command"], "--otlp-traces-endpoint") == endpoint
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    proxy = services["proxy"]["command"]
+    assert flag(proxy, "--otlp-traces-endpoint") == endpoint
+    assert flag(proxy, "--otlp-traces-protocol") == "http/protobuf"
+    off = resolved(render(GOOD_TOML))["services"]
+    for svc in off.values():
+        assert not any("otlp" in arg for arg in svc["command"])
+    assert off["prefill"]["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == ""
+
+
 def test_default_rdma_host(render):
     out = render(GOOD_TOML)
     model = resolved(out)

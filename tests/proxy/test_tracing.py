@@ -72,3 +72,19 @@ async def test_off_by_default_nothing_is_sent(make_cluster: MakeCluster) -> None
     assert status == 200
     assert "traceparent" not in c.prefill[0].received[0].headers
     assert "traceparent" not in c.decode[0].received[0].headers
+
+
+async def test_an_unsampled_request_carries_an_unsampled_context_and_records_nothing(
+        make_cluster: MakeCluster, collector: Collector) -> None:
+    """--otlp-traces-sample-ratio: the proxy decides for the whole trace; a request it does
+    not trace tells P and D so (sampled flag off), or vLLM would start a trace of its own."""
+    c = await make_cluster(otlp_traces_endpoint=collector.url,
+                           otlp_traces_protocol="http/protobuf", otlp_traces_sample_ratio=0.0)
+    status, _, _ = await c.post()
+    assert status == 200
+    p, d = c.prefill[0].received[0].headers["traceparent"], \
+        c.decode[0].received[0].headers["traceparent"]
+    assert p.endswith("-00") and d.endswith("-00") and trace_id_of(p) == trace_id_of(d)
+    assert span_id_of(p) != span_id_of(d)
+    await c.proxy.close()  # flushes whatever was recorded: nothing
+    assert collector.spans == []

@@ -72,6 +72,7 @@ lifecycle:
 {{- $args = concat $args (list "--prefix-caching-hash-algo" "sha256_cbor" "--kv-events-config"
       "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:0\",\"replay_endpoint\":\"tcp://*:0\"}") -}}
 {{- $args = concat $args (list "--kv-transfer-config" (include "pd-appliance.kvTransferConfig" .)) -}}
+{{- with $v.tracing.otlpEndpoint }}{{ $args = concat $args (list "--otlp-traces-endpoint" .) }}{{ end -}}
 {{- $args = concat $args $m.extraArgs (ternary $m.prefillExtraArgs $m.decodeExtraArgs (eq $role "prefill")) -}}
 {{- toYaml $args -}}
 {{- end -}}
@@ -127,6 +128,12 @@ lifecycle:
   value: {{ index $v.transfer.portRange 1 | int | quote }}
 - name: MC_LOG_LEVEL
   value: WARNING
+{{- with $v.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT  # vLLM's engine and worker processes, the connector
+  value: {{ . | quote }}
+- name: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+  value: {{ $v.tracing.protocol | quote }}
+{{- end }}
 - name: HF_HUB_OFFLINE
   value: "1"
 - name: VLLM_NO_USAGE_STATS
