@@ -177,6 +177,8 @@ class TracingSection(_Section):
 
     otlp_endpoint: str | None = None  # e.g. http://10.0.0.5:4317 (grpc)
     protocol: Literal["grpc", "http/protobuf"] = "grpc"
+    # The share of requests traced, whole (the proxy decides; P and D follow).
+    sample_ratio: float = Field(1.0, ge=0, le=1)
 
     @field_validator("otlp_endpoint")
     @classmethod
@@ -189,7 +191,8 @@ class TracingSection(_Section):
         return ["--otlp-traces-endpoint", self.otlp_endpoint] if self.otlp_endpoint else []
 
     def proxy_args(self) -> list[str]:
-        return ([*self.vllm_args(), "--otlp-traces-protocol", self.protocol]
+        return ([*self.vllm_args(), "--otlp-traces-protocol", self.protocol,
+                 "--otlp-traces-sample-ratio", f"{self.sample_ratio:g}"]
                 if self.otlp_endpoint else [])
 
 

@@ -90,7 +90,8 @@ _CASES: dict[str, Case] = {
     "any-bootstrap": Case({"podNetworkCidrs": [], "allowAnyBootstrap": True}),
     # One setting drives every wait; then an explicit default for D's other callers.
     "short-prefill-wait": Case({"timeouts": {"prefillS": 30, "kvTransferS": 7.5}}),
-    "tracing": Case({"tracing": {"otlpEndpoint": "http://otel-collector:4317"}}),
+    "tracing": Case({"tracing": {"otlpEndpoint": "http://otel-collector:4317",
+                                 "sampleRatio": 0.1}}),
     "explicit-kv-waits": Case({"timeouts": {"prefillS": 30, "kvRecvS": 45, "kvSendS": 90}}),
 }
 

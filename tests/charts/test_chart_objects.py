@@ -280,6 +280,8 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
     endpoint = v["tracing"]["otlpEndpoint"]
     assert got.get("--otlp-traces-endpoint", "") == endpoint
     assert ("--otlp-traces-protocol" in got) == bool(endpoint)
+    if endpoint:
+        assert float(got["--otlp-traces-sample-ratio"]) == v["tracing"]["sampleRatio"]
     for role in ROLES:
         vllm = container(workload(docs, role), "vllm")
         if endpoint:

@@ -94,6 +94,7 @@ def test_tracing_on_reaches_p_d_and_the_proxy(render):
     proxy = services["proxy"]["command"]
     assert flag(proxy, "--otlp-traces-endpoint") == endpoint
     assert flag(proxy, "--otlp-traces-protocol") == "http/protobuf"
+    assert flag(proxy, "--otlp-traces-sample-ratio") == "1"
     off = resolved(render(GOOD_TOML))["services"]
     for svc in off.values():
         assert not any("otlp" in arg for arg in svc["command"])
