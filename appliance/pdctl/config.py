@@ -28,6 +28,7 @@ from appliance.pdctl.sections import (  # noqa: F401 - re-exported: the config's
     AuthSection,
     ComposeSection,
     ImagesSection,
+    ObservabilitySection,
     Port,
     PortsSection,
     ProxySection,
@@ -263,6 +264,7 @@ class HostConfig(_Section):
     compose: ComposeSection = Field(default_factory=ComposeSection)
     proxy: ProxySection = Field(default_factory=ProxySection)
     tracing: TracingSection = Field(default_factory=TracingSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
     cluster: ClusterPart | None = None
 
     def instances(self, role: str) -> list[list[int]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import appliance
 from appliance import keys, kvbudget
 from appliance.netaddr import host_port
-from appliance.pdctl import clustercompose
+from appliance.pdctl import clustercompose, observability
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.errors import ConfigError, PdctlError
 
@@ -152,6 +152,7 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_VLLM_START_PERIOD": f"{int(t.startup_s)}s",
         "PD_OTLP_TRACES_ENDPOINT": cfg.tracing.otlp_endpoint or "",
         "PD_OTLP_TRACES_PROTOCOL": cfg.tracing.protocol,
+        **(observability.env(cfg) if cfg.cluster is None else {}),
         "PD_PREFILL_ARGS": shlex.join([*common, *m.prefill_extra_args]),
         "PD_DECODE_ARGS": shlex.join([*common, *m.decode_extra_args]),
         "PD_PROXY_ARGS": shlex.join(proxy_args(cfg, out_dir)),
@@ -293,6 +294,13 @@ def render(cfg: HostConfig, config_path: Path, out_dir: Path) -> list[Path]:
             (out_dir / OVERRIDE_FILE).unlink(missing_ok=True)
         _write(out_dir / UNIT_FILE, unit_text(cfg, out_dir, config_path.resolve()))
         written.append(out_dir / UNIT_FILE)
+        if cfg.cluster is None:  # the observability profile's files (its containers read them)
+            shipped = {f: repo_file(f) for f in (observability.RULES, observability.DASHBOARD)}
+            for rel, text in observability.files(cfg, local_addr(cfg), shipped).items():
+                path = out_dir / observability.DIR / rel
+                path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+                _write(path, text)
+                written.append(path)
     except OSError as exc:
         raise PdctlError(f"cannot write to {out_dir}: {exc.strerror or exc}") from None
     return written

@@ -196,6 +196,27 @@ class TracingSection(_Section):
                 if self.otlp_endpoint else [])
 
 
+class ObservabilitySection(_Section):
+    """compose's `observability` profile: the node's own Prometheus and Grafana
+    (appliance.pdctl.observability)."""
+
+    enabled: bool = False
+    listen: str = "127.0.0.1"
+    prometheus_port: Port = 9090
+    grafana_port: Port = 3000
+    prometheus_image: str = "prom/prometheus:v3.5.0"
+    grafana_image: str = "grafana/grafana:12.1.0"
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address") from None
+        return v
+
+
 class ComposeSection(_Section):
     project: str = "pd-appliance"
     shm_size: str = "16g"
