@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -130,6 +131,9 @@ class Peers:
         self._ctx, self._owner, self._stats, self._key = ctx, owner, stats, key
         self.idle_s, self.cap = idle_s, cap
         self._open: dict[str, Peer] = {}
+        # Addresses whose link dropped and whose socket is closed since: a sidecar may name
+        # them until the restarted worker registers anew (bounded: the latest cap).
+        self._gone: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -141,9 +145,22 @@ class Peers:
             self._stats.record_peer(opened=True)
         return peer
 
+    def gone(self, addr: str) -> bool:
+        """The link to `addr` dropped (its worker died or restarted elsewhere) and has not
+        come back up."""
+        peer = self._open.get(addr)
+        if peer is not None and peer.up:
+            self._gone.pop(addr, None)
+            return False
+        return (peer is not None and peer.lost) or addr in self._gone
+
     def close(self, peer: Peer, why: str) -> None:
         if self._open.get(peer.addr) is not peer:
             return  # closed already
+        if peer.lost:
+            self._gone[peer.addr] = None
+            while len(self._gone) > self.cap:
+                self._gone.popitem(last=False)
         del self._open[peer.addr]
         peer.close()
         self._stats.record_peer(opened=False)

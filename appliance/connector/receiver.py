@@ -158,7 +158,7 @@ class Receiver:
         peer.layout_sent = True
         await peer.send(m.encode_request(msg))
 
-    async def _resolve(self, bootstrap: str, engine_id: str) -> list[str]:
+    async def _resolve(self, bootstrap: str, engine_id: str, again: bool = True) -> list[str]:
         """Side-channel addresses of the producer workers that hold our KV heads."""
         key = (bootstrap, engine_id)
         if not self._ranks_known(key):
@@ -177,7 +177,13 @@ class Receiver:
         if missing:
             raise BootstrapError(f"engine {engine_id!r} has no worker for tp rank "
                                  f"{missing[0]} (it has {sorted(workers)})")
-        return [workers[r] for r in ranks]
+        addrs = [workers[r] for r in ranks]
+        if again and any(self._peers.gone(a) for a in addrs):
+            # A dead worker's address, cached (or still registered) after its link dropped:
+            # a restarted P has registered anew by the time it is asked to prefill.
+            del self._engines[key]
+            return await self._resolve(bootstrap, engine_id, again=False)
+        return addrs
 
     def _source_ranks(self, key: tuple[str, str]) -> list[int]:
         """The producer's TP ranks holding our heads: ours alone when its TP equals ours."""
@@ -250,15 +256,23 @@ class Receiver:
 
     def on_peer_lost(self, peer: Peer) -> None:
         """The link to a producer worker dropped: it died (a restart binds a new port) or
-        the network cut it. Its address is looked up again before the next pull, so a
-        restarted P costs that pull no wait; with no pull waiting on it the socket goes now
-        (the sweep's rule). Pulls waiting on it keep it (ZMQ reconnects) and end as they
-        would: answered, or at their deadline."""
+        the network cut it. Its address is looked up again before the next pull (and while
+        it has not come back, the sidecar is asked again when it names it), so a restarted P
+        costs that pull no wait; with no pull waiting on it the socket goes now (the sweep's
+        rule). Pulls waiting on it end (vLLM's load-failure policy) once cancel_grace_s
+        passed, not at their deadline."""
         self._forget_peer(peer.addr)
         busy = self._busy_peers()
         if peer.addr in busy:
             log.warning("side channel to %s lost with pulls waiting on it", peer.addr)
-        self._peers.sweep(busy, time.monotonic())
+        now = time.monotonic()
+        for inc in list(self.incoming.values()):
+            if peer.addr in inc.waiting:
+                # Its worker is gone and writes nothing more, but for what was on the wire:
+                # the blocks wait cancel_grace_s, not the deadline the worker was sent.
+                self._give_up(inc, f"side channel to {peer.addr} lost")
+                inc.hold_until = min(inc.hold_until, now + self.settings.cancel_grace_s)
+        self._peers.sweep(busy, now)
 
     def _busy_peers(self) -> set[str]:
         return {addr for inc in self.incoming.values() for addr in inc.waiting}

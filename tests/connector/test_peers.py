@@ -99,3 +99,63 @@ async def test_a_socket_a_pull_waits_on_stays_past_its_idle_time(bootstrap_url):
         pair.assert_copied([1], [10])
     finally:
         await pair.close()
+
+
+async def test_a_sidecar_still_naming_a_dead_worker_is_asked_again(bootstrap_url):
+    """A lookup while P restarts (D releasing a transfer, say) finds the dead worker's
+    entry still at the sidecar and caches it; once the new worker has registered, the next
+    pull asks again instead of waiting on the dead address until its deadline."""
+    pair = Pair(bootstrap_url)
+    await pair.start()
+    old = pair.sender
+    try:
+        assert pair.receiver is not None
+        pair.sender.on_ready("p1", "x1", [[1, 2]], None)
+        pair.receiver.on_recv("d1", pair.spec("x1", [10, 11]))
+        assert await pair.results() == ({"d1"}, set())
+        _kill(old)
+        for _ in range(100):  # D saw the link drop
+            if pair.receiver._peers.gone(old.side_channel_addr):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the dropped link was not noticed")
+        # P is down: the sidecar still names the dead worker, and D caches it again.
+        assert await pair.receiver._resolve(bootstrap_url, "p0") == [old.side_channel_addr]
+        pair.sender = Sender(pair.p_settings, pair.p.transport, pair.p.regions, "127.0.0.1",
+                             0, 1, 0, pair.p.stats)
+        addr = await pair.sender.start()
+        await wait_registered(bootstrap_url, 0, addr)
+        pair.sender.on_ready("p2", "x2", [[3, 4]], None)
+        start = time.monotonic()
+        pair.receiver.on_recv("d2", pair.spec("x2", [20, 21]))
+        assert await pair.results() == ({"d2"}, set())
+        assert time.monotonic() - start < 1.5  # not recv_timeout_s on the dead address
+        pair.assert_copied([3, 4], [20, 21])
+    finally:
+        await pair.close()
+        await old._bootstrap.close()
+
+
+async def test_a_pull_whose_worker_dies_ends_at_the_grace_not_its_deadline(bootstrap_url):
+    """The worker's link drops while D waits for its KV: it writes nothing more, so D
+    gives the pull up and its blocks back after cancel_grace_s (for what was on the wire),
+    not at the request's deadline (by default the proxy's whole wait for P)."""
+    pair = Pair(bootstrap_url, recv_timeout_s=60, cancel_grace_s=1)
+    await pair.start()
+    try:
+        assert pair.receiver is not None
+        pair.receiver.on_recv("d1", pair.spec("x1", [10, 11]))  # P has not prefilled it
+        for _ in range(100):
+            inc = pair.receiver.incoming.get("d1")
+            if inc is not None and inc.waiting:
+                break
+            await asyncio.sleep(0.02)
+        start = time.monotonic()
+        _kill(pair.sender)
+        assert await pair.results(timeout=10) == ({"d1"}, {"d1"})
+        assert time.monotonic() - start < 5
+        pair.assert_untouched()
+    finally:
+        await pair.close()
+        await pair.sender._bootstrap.close()

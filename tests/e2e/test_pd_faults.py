@@ -1,7 +1,8 @@
 """Injected faults (the connector's seam, appliance.connector.faults) at 1 in 16 on P's
 Mooncake writes and side-channel replies, for a few hundred requests through the proxy:
 every answer is a plain server's exact output or an error, never another text; nothing is
-held afterwards."""
+held afterwards; and a real Prometheus scraping the node fires the shipped transfer-failure
+alert."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ from tests.e2e.conftest import (
     token_prompt,
 )
 from tests.e2e.observe import wait_no_blocks_held
+from tests.observability.conftest import (  # noqa: F401 (prometheus_bin: a fixture)
+    prometheus_bin,
+    running_prometheus,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,15 +39,19 @@ def _body(i: int, stream: bool) -> dict:
             "temperature": 0, "stream": stream}
 
 
-async def test_faults_one_in_16_give_exact_output_or_an_error(tiny_model, plain_server,
-                                                             tmp_path):
+async def test_faults_one_in_16_give_exact_output_or_an_error(
+        tiny_model, plain_server, tmp_path, prometheus_bin):  # noqa: F811
     expected = {}
     for i in range(PROMPTS):
         result = await plain_request(plain_server, "/v1/completions", _body(i, False))
         expected[i] = result["choices"][0]["text"]
     connector = {**TEST_CONNECTOR, "recv_timeout_s": 4}
     with running_node(tiny_model, tmp_path, proxy_port=free_port(), connector_extra=connector,
-                      prefill_env={"PD_FAULT_INJECTION": FAULTS}) as node:
+                      prefill_env={"PD_FAULT_INJECTION": FAULTS}) as node, \
+            running_prometheus(prometheus_bin, tmp_path / "prometheus", {
+                role: [url.removeprefix("http://")] for role, url in (
+                    ("proxy", node.spec.proxy_url), ("prefill", node.spec.prefill_url),
+                    ("decode", node.spec.decode_url))}) as prom:
         gate = asyncio.Semaphore(8)
         answers: list[tuple[int, int, str, float]] = []
 
@@ -71,3 +80,12 @@ async def test_faults_one_in_16_give_exact_output_or_an_error(tiny_model, plain_
         # and the faults cost answers nothing: D recomputed what it did not get
         assert len(errors) <= len(answers) // 20, errors[:3]
         await wait_no_blocks_held(node, within=60)
+        # What an SRE's Prometheus, scraping all along, says of it: the shipped
+        # transfer-failure alert fires (it resolves 5 minutes after the last failure:
+        # alerts_test.yml checks that in virtual time).
+        for _ in range(60):
+            if prom.alerts().get("PDKVTransferFailures") == "firing":
+                break
+            await asyncio.sleep(0.5)
+        else:
+            raise AssertionError(f"PDKVTransferFailures not firing: {prom.alerts()}")
