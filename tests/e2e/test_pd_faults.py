@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 
+from appliance.localnode import NodeSpec
 from tests.conftest import free_port
 from tests.e2e.conftest import (
     TEST_CONNECTOR,
@@ -46,7 +47,11 @@ async def test_faults_one_in_16_give_exact_output_or_an_error(
         result = await plain_request(plain_server, "/v1/completions", _body(i, False))
         expected[i] = result["choices"][0]["text"]
     connector = {**TEST_CONNECTOR, "recv_timeout_s": 4}
+    # D waits for its KV as long as the proxy waits for P, plus the write's allowance
+    # (appliance.deadlines): a dropped reply costs D that wait, so the proxy waits 6 s.
+    proxy = (*NodeSpec.proxy_args, "--split", "always", "--prefill-timeout", "6")
     with running_node(tiny_model, tmp_path, proxy_port=free_port(), connector_extra=connector,
+                      proxy_args=proxy,
                       prefill_env={"PD_FAULT_INJECTION": FAULTS}) as node, \
             running_prometheus(prometheus_bin, tmp_path / "prometheus", {
                 role: [url.removeprefix("http://")] for role, url in (
