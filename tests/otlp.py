@@ -83,12 +83,15 @@ class Collector:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
-    def wait(self, trace_id: str, names: set[str], timeout: float = 30) -> list[Span]:
-        """The trace's spans once every name in `names` is among them."""
+    def wait(self, trace_id: str, names: set[str] | dict[str, int],
+             timeout: float = 30) -> list[Span]:
+        """The trace's spans once every name in `names` is among them (a dict: at least
+        that many spans of each name; each process exports on its own schedule)."""
+        want = dict.fromkeys(names, 1) if isinstance(names, set) else names
         deadline = time.monotonic() + timeout
         while True:
             spans = self.trace(trace_id)
-            if names <= {s.name for s in spans}:
+            if all(sum(s.name == n for s in spans) >= k for n, k in want.items()):
                 return spans
             if time.monotonic() > deadline:
                 raise AssertionError(f"trace {trace_id}: {sorted(s.name for s in spans)}, "
