@@ -43,7 +43,6 @@ class Incoming(Transfer):
     d_req_id: str = ""
     spec: RecvSpec | None = None
     deadline: float = 0.0
-    wait_s: float = 0.0  # the request's own (recv_timeout_ms) or recv_timeout_s
     # The producer workers asked (side-channel addresses) that have not answered yet: one,
     # or with P's TP larger than ours each one holding some of our heads.
     waiting: set[str] = field(default_factory=set)
@@ -92,8 +91,7 @@ class Receiver:
     def on_recv(self, req_id: str, spec: RecvSpec) -> None:
         wait_s = spec.timeout_s or self.settings.recv_timeout_s
         inc = Incoming(transfer_id=spec.transfer_id, d_req_id=req_id, spec=spec,
-                       state=TransferState.BOOTSTRAPPING, deadline=time.monotonic() + wait_s,
-                       wait_s=wait_s)
+                       state=TransferState.BOOTSTRAPPING, deadline=time.monotonic() + wait_s)
         self.incoming[req_id] = inc
         asyncio.create_task(self._pull(inc))
 
@@ -374,7 +372,7 @@ class Receiver:
                             "deadline it was given"))
                 elif now > inc.deadline:
                     why = (f"no KV from the producer within its receive deadline "
-                           f"({inc.wait_s:g}s, {inc.state.value})")
+                           f"({inc.deadline - inc.created:.3g}s, {inc.state.value})")
                     if inc.state is TransferState.BOOTSTRAPPING:
                         # Never sent: nothing can write into its blocks.
                         self._finish(inc, ok=False, error=why)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -54,16 +53,15 @@ class TransferSpans:
                attributes: dict[str, Any], error: str | None = None) -> None:
         """A span from `started_s` (time.monotonic()) until now, if the transfer's request
         came with a trace context."""
-        parent = self._parents.get(transfer_id) if self._tracer is not None else None
+        parent = self._parents.get(transfer_id)
         if parent is None or self._tracer is None:
             return
         from opentelemetry.trace import Status, StatusCode
 
-        now_ns, now = time.time_ns(), time.monotonic()
         span = self._tracer.start_span(
             name, context=tracing.context_of({"traceparent": parent}),
-            start_time=now_ns - round((now - started_s) * 1e9),
+            start_time=tracing.wall_ns(started_s),
             attributes={"pd.transfer_id": transfer_id, **attributes})
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
-        span.end(end_time=now_ns)
+        span.end()

@@ -12,6 +12,7 @@ variables, which vLLM sets for its engine and worker processes too.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
@@ -63,6 +64,11 @@ def tracer_from_env(service: str, **resource: str) -> Tracer | None:
         return None
     protocol = os.environ.get(PROTOCOL_ENV, DEFAULT_PROTOCOL)
     return provider(service, endpoint, protocol, **resource).get_tracer("appliance")
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """A time.monotonic() reading as the epoch nanoseconds a span's start wants."""
+    return time.time_ns() - round((time.monotonic() - monotonic_s) * 1e9)
 
 
 def headers_of(span: Span) -> dict[str, str]:

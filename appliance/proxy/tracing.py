@@ -4,7 +4,6 @@ a child for each call to P or D, whose trace context goes with the call."""
 from __future__ import annotations
 
 import random
-import time
 from typing import TYPE_CHECKING
 
 from appliance.observability import tracing
@@ -61,9 +60,8 @@ class RequestTrace:
         self._tracer = tracer
         self._kind = SpanKind.CLIENT
         # Started where the record was: the client's request has been read by then.
-        started = time.time_ns() - round((time.monotonic() - rec.started) * 1e9)
         self.root = tracer.start_span(
-            "pd.request", kind=SpanKind.SERVER, start_time=started,
+            "pd.request", kind=SpanKind.SERVER, start_time=tracing.wall_ns(rec.started),
             attributes={"http.route": rec.route, "pd.request_id": rec.request_id})
         self._parent = trace.set_span_in_context(self.root)
         self._calls: dict[str, Span] = {}
