@@ -64,7 +64,7 @@ async def test_every_request_pulls_from_the_rank_that_prefilled_it(dp_node, plai
                              log_text(dp_node.decode.log_path))
             served_by.append(engines[pid])
     assert set(served_by) == {"prefill-0_dp0", "prefill-0_dp1"}
-    assert "within recv_timeout_s" not in log_text(dp_node.decode.log_path)
+    assert "within its receive deadline" not in log_text(dp_node.decode.log_path)
 
 
 async def _post(node, body: dict) -> tuple[str, str]:
