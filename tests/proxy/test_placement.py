@@ -147,11 +147,11 @@ def test_queued_work_moves_requests_off_a_backed_up_p() -> None:
     assert p.url not in place._queues
 
 
-@pytest.mark.parametrize("tokens,fits", [(150, True), (190, True), (300, False)])
+@pytest.mark.parametrize("tokens,fits", [(150, True), (390, True), (600, False)])
 def test_p_decodes_whole_requests_only_while_its_prefills_are_short(tokens: int,
                                                                      fits: bool) -> None:
     """The ITL budget is 0.1 s; P takes whole requests while its recent prefills are within
-    twice that (short prompts, or mostly cached ones: the load is decodes), not once a
+    four times that (short prompts, or mostly cached ones: the load is decodes), not once a
     longer one came."""
     place = Placement("auto", itl_slo_ms=100)
     p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
@@ -166,17 +166,17 @@ def test_p_decodes_whole_requests_only_while_its_prefills_are_short(tokens: int,
     assert (decide("auto", e).where == "p_alone") is fits
 
 
-@pytest.mark.parametrize("long_prompts,fits", [(1, True), (4, True), (5, False)])
+@pytest.mark.parametrize("long_prompts,fits", [(1, True), (6, True), (7, False)])
 def test_a_few_long_prompts_among_short_ones_leave_p_serving_whole_requests(
         long_prompts: int, fits: bool) -> None:
     """A cold shared prefix or a conversation's first turn is one long prefill among many
-    short ones: P keeps taking whole requests while three in four of the latest 16 prompts
-    were short, not once a quarter of them were long; a long prompt itself is never P's
+    short ones: P keeps taking whole requests while three in five of the latest 16 prompts
+    were short, not once two in five of them were long; a long prompt itself is never P's
     alone."""
     place = Placement("auto", itl_slo_ms=100)
     p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
     for n in (100, 1000):
-        place.prefill.observe(n, n * 0.001)  # 1 ms a token: fits within 200 tokens
+        place.prefill.observe(n, n * 0.001)  # 1 ms a token: fits within 400 tokens
     place.handoff.observe(100, 0.01)
     d.decodes = 3
     for i in range(16):
@@ -190,8 +190,9 @@ def test_a_few_long_prompts_among_short_ones_leave_p_serving_whole_requests(
 def test_a_short_prompt_stalls_ds_decodes_by_its_compute_not_its_fixed_costs() -> None:
     """Measured here: P's answers take 150 ms + 0.35 ms a token, D's unstalled budget is
     128 ms. A 128-token prompt adds ~45 ms of compute to D's steps (within the budget),
-    though its first token takes ~195 ms: it goes local. A 1,000-token one (350 ms of
-    compute) stalls D's four decodes: remote, with P prefilling only."""
+    though its first token takes ~195 ms: it goes local. A 2,000-token one (700 ms of
+    compute, past four budgets, so never P's alone) stalls D's four decodes: remote, with P
+    prefilling only."""
     place = Placement("auto", itl_slo_ms=128)
     p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
     for n in (100, 400, 1000, 1600):
@@ -203,7 +204,7 @@ def test_a_short_prompt_stalls_ds_decodes_by_its_compute_not_its_fixed_costs() -
     assert short.local_stall_s == pytest.approx(0.0448)
     assert decide("auto", short).where == "local"
     p.decodes = 0
-    assert decide("auto", place.estimates(1000, p, d, 0.0)).where == "remote"
+    assert decide("auto", place.estimates(2000, p, d, 0.0)).where == "remote"
 
 
 def test_prompts_d_had_cached_count_as_short_for_ps_share() -> None:
