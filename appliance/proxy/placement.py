@@ -57,11 +57,8 @@ RECENT_S = 60
 # stalls P's decodes once (as it would the one server's), and must not keep P to prefills
 # for the next sixteen requests; a workload of long prompts keeps it there.
 RECENT_PROMPTS = 16
-# 4 budgets and 0.6, not 2 and 0.75: on one core a conversation's next turn (96 new tokens
-# and the last answer) computes in about 2 budgets, so P took whole turns only now and then
-# and D decoded nearly every conversation (chats in bench/serve.py: 0.8x the plain server's
-# rate, 1.1x with these; shared prefixes 0.81x -> 0.87x); long-prompt workloads still fail
-# the share and keep P to prefills.
+# Four budgets, not two: on one core a conversation's next turn (its new message and the
+# last answer) computes in about two, and D decoded nearly every conversation (README).
 P_ALONE_FIT = 4.0
 P_ALONE_SHARE = 0.6
 

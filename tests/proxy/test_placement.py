@@ -190,9 +190,9 @@ def test_a_few_long_prompts_among_short_ones_leave_p_serving_whole_requests(
 def test_a_short_prompt_stalls_ds_decodes_by_its_compute_not_its_fixed_costs() -> None:
     """Measured here: P's answers take 150 ms + 0.35 ms a token, D's unstalled budget is
     128 ms. A 128-token prompt adds ~45 ms of compute to D's steps (within the budget),
-    though its first token takes ~195 ms: it goes local. A 2,000-token one (700 ms of
-    compute, past four budgets, so never P's alone) stalls D's four decodes: remote, with P
-    prefilling only."""
+    though its first token takes ~195 ms: it goes local. A 1,000-token one (350 ms of
+    compute) stalls D's four decodes: P, decoding none, takes it whole (within four
+    budgets); a 2,000-token one (700 ms, past four budgets) goes remote, P prefilling only."""
     place = Placement("auto", itl_slo_ms=128)
     p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
     for n in (100, 400, 1000, 1600):
@@ -204,6 +204,7 @@ def test_a_short_prompt_stalls_ds_decodes_by_its_compute_not_its_fixed_costs() -
     assert short.local_stall_s == pytest.approx(0.0448)
     assert decide("auto", short).where == "local"
     p.decodes = 0
+    assert decide("auto", place.estimates(1000, p, d, 0.0)).where == "p_alone"
     assert decide("auto", place.estimates(2000, p, d, 0.0)).where == "remote"
 
 
