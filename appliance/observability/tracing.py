@@ -4,9 +4,11 @@ One trace per client request: the proxy's span (`pd.request`) with a child for e
 P or D (`pd.prefill`, `pd.decode`); the W3C `traceparent` of that call goes with it, so
 vLLM's own `llm_request` span (its `--otlp-traces-endpoint`) and the connector's transfer
 spans (`pd.kv_write` on P, `pd.kv_pull` on D: vLLM hands the scheduler the request's trace
-headers) are children of the call that caused them. Every process exports by itself
-(a batch processor per process); the endpoint and protocol are OpenTelemetry's own
-variables, which vLLM sets for its engine and worker processes too.
+headers) are children of the call that caused them. Every process exports by itself: the proxy
+writes its spans' OTLP bytes itself (appliance.proxy.tracing: three spans per request on
+its one busy core), the connector through the SDK's batch processor (a few per transfer).
+The endpoint and protocol are OpenTelemetry's own variables, which vLLM sets for its
+engine and worker processes too.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Tracer
 
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
@@ -30,15 +32,14 @@ DEFAULT_PROTOCOL: Protocol = "grpc"
 
 
 def provider(service: str, endpoint: str, protocol: str = DEFAULT_PROTOCOL,
-             root: bool = False, **resource: str) -> TracerProvider:
+             **resource: str) -> TracerProvider:
     """A tracer provider exporting to `endpoint` in batches (not set as the process's
     global one: vLLM sets its own in its processes). It records what its parent says
-    was sampled: the proxy decides for the whole trace (appliance.proxy.tracing), whose
-    provider (`root`) records every span it is asked for."""
+    was sampled: the proxy decides for the whole trace (appliance.proxy.tracing)."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, DEFAULT_ON
+    from opentelemetry.sdk.trace.sampling import DEFAULT_ON
 
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -52,7 +53,7 @@ def provider(service: str, endpoint: str, protocol: str = DEFAULT_PROTOCOL,
     else:
         raise ValueError(f"OTLP protocol {protocol!r}: one of {', '.join(PROTOCOLS)}")
     out = TracerProvider(resource=Resource.create({"service.name": service, **resource}),
-                         sampler=ALWAYS_ON if root else DEFAULT_ON)
+                         sampler=DEFAULT_ON)
     out.add_span_processor(BatchSpanProcessor(exporter))
     return out
 
@@ -69,13 +70,6 @@ def tracer_from_env(service: str, **resource: str) -> Tracer | None:
 def wall_ns(monotonic_s: float) -> int:
     """A time.monotonic() reading as the epoch nanoseconds a span's start wants."""
     return time.time_ns() - round((time.monotonic() - monotonic_s) * 1e9)
-
-
-def headers_of(span: Span) -> dict[str, str]:
-    """The W3C trace context that makes the receiver's spans children of `span` (written
-    here: the propagator's inject costs ten times as much, on every call of the proxy)."""
-    c = span.get_span_context()
-    return {"traceparent": f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}"}
 
 
 def context_of(headers: Mapping[str, str] | None) -> Context | None:

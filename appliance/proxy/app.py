@@ -105,6 +105,8 @@ class Proxy:
         self.placement = Placement(settings.split, settings.itl_slo_ms,
                                    settings.prefill_timeout_s)
         self.metrics.split_counts = self.placement.counts
+        if self.tracing is not None:
+            self.metrics.trace_spans = self.tracing.export.counts
         self.exchange = Exchange(settings, self.metrics, self.backends, self.upstreams,
                                  self.relay, self.pulls, self.base_headers)
 
@@ -119,6 +121,8 @@ class Proxy:
         self.poller = HealthPoller(self.backends, self.session, self.settings, self.base_headers)
         self.poller.start()
         self.upstreams.start()
+        if self.tracing is not None:
+            self.tracing.start()
         # The index serves auto's placement and the cache-aware routing policies.
         if self.settings.prefix_index and (self.settings.split == "auto"
                                            or self.settings.policy.startswith("cache_aware")):
@@ -146,7 +150,7 @@ class Proxy:
         await self.upstreams.close()
         await self.releaser.close()
         if self.tracing is not None:
-            self.tracing.close()
+            await self.tracing.close()
 
     def _landed(self, kv: PrefillKV) -> bool:
         return self.prefix is not None and self.prefix.holds(kv.d_url, kv.lands)

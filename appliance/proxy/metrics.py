@@ -108,6 +108,14 @@ class _HotPath(Collector):
         for (decision, reason), n in sorted(m.split_counts.items()):
             split.add_metric([decision, reason], n)
         yield split
+        if m.trace_spans is not None:
+            spans = CounterMetricFamily(
+                "pd_proxy_trace_spans", "The proxy's trace spans, by outcome (exported; "
+                "dropped: the queue was full or the collector failed twice)",
+                labels=["outcome"])
+            for outcome, n in sorted(m.trace_spans.items()):
+                spans.add_metric([outcome], n)
+            yield spans
         yield m.decode_ttfb.family()
         yield m.prefill_latency.family()
         yield m.admission_wait.family()
@@ -125,6 +133,7 @@ class ProxyMetrics:
         self.in_flight = in_flight
         self.request_counts: dict[tuple[str, int], int] = {}
         self.split_counts: dict[tuple[str, str], int] = {}  # the placement's, shared
+        self.trace_spans: dict[str, int] | None = None  # the span exporter's, with tracing
         self.decode_ttfb = FastHistogram(
             "pd_proxy_decode_ttfb_seconds",
             "From the client's request to the answer's first body byte (D's, or P's token "

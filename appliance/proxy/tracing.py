@@ -1,43 +1,71 @@
-"""One client request as a trace (appliance.observability.tracing): the request's span and
-a child for each call to P or D, whose trace context goes with the call."""
+"""One client request as a trace: the request's span (`pd.request`) and a child for each
+call to P or D (`pd.prefill`, `pd.decode`), whose W3C context goes with the call so that
+vLLM's and the connector's spans join the trace (appliance.observability.tracing).
+
+The spans are written as OTLP bytes when they end (appliance.observability.otlpwire) and
+sent in batches from the proxy's loop (otlpexport), not made as SDK span objects: the
+proxy's one core is its whole data path, and the SDK's spans and encoder took half of its
+rate at concurrency 64 (bench/proxy_overhead.py --tracing)."""
 
 from __future__ import annotations
 
 import random
+import time
 from typing import TYPE_CHECKING
 
-from appliance.observability import tracing
+from appliance.observability import otlpwire as wire
+from appliance.observability.otlpexport import SpanExport
+from appliance.observability.tracing import wall_ns
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
-
     from appliance.proxy.record import Record
+
+_REQUEST = wire.name_kind("pd.request", wire.KIND_SERVER)
+# Attributes with few values (nodes, routes, paths, statuses), written once each.
+_CACHE_MAX = 4096
 
 
 class Tracing:
     """The proxy's tracer (made only when an OTLP endpoint is set)."""
 
     def __init__(self, endpoint: str, protocol: str, sample_ratio: float = 1.0) -> None:
-        self.provider: TracerProvider = tracing.provider("pd-proxy", endpoint, protocol,
-                                                         root=True)
-        self.tracer: Tracer = self.provider.get_tracer("appliance.proxy")
+        self.export = SpanExport(endpoint, protocol, {"service.name": "pd-proxy"},
+                                 "appliance.proxy")
         self.sample_ratio = sample_ratio
+        self._names: dict[str, bytes] = {}
+        self._attrs: dict[tuple[str, str | int], bytes] = {}
+
+    def start(self) -> None:
+        self.export.start()
+
+    async def close(self) -> None:
+        await self.export.close()  # sends what is queued
 
     def begin(self, rec: Record) -> RequestTrace | Unsampled:
         if self.sample_ratio < 1.0 and random.random() >= self.sample_ratio:
             return Unsampled()
-        return RequestTrace(self.tracer, rec)
+        return RequestTrace(self, rec)
 
-    def close(self) -> None:
-        self.provider.shutdown()  # exports what is buffered
+    def name(self, role: str) -> bytes:
+        named = self._names.get(role)
+        if named is None:
+            named = self._names[role] = wire.name_kind(f"pd.{role}", wire.KIND_CLIENT)
+        return named
+
+    def attr(self, key: str, value: str | int) -> bytes:
+        """An attribute of few values, written once."""
+        out = self._attrs.get((key, value))
+        if out is None:
+            if len(self._attrs) >= _CACHE_MAX:
+                self._attrs.clear()
+            out = self._attrs[(key, value)] = wire.attr(key, value)
+        return out
 
 
 class Unsampled:
-    """A request not traced: no span is made (the SDK's unsampled spans cost a third of a
-    sampled one's), but its calls carry a context whose sampled flag is off, so vLLM and
-    the connector record nothing for it either (vLLM would start a trace of its own for a
-    request that came without one)."""
+    """A request not traced: nothing is recorded, but its calls carry a context whose
+    sampled flag is off, so vLLM and the connector record nothing for it either (vLLM
+    would start a trace of its own for a request that came without one)."""
 
     def __init__(self) -> None:
         self._trace = f"00-{random.getrandbits(128):032x}-"
@@ -53,50 +81,54 @@ class Unsampled:
 
 
 class RequestTrace:
-    def __init__(self, tracer: Tracer, rec: Record) -> None:
-        from opentelemetry import trace
-        from opentelemetry.trace import SpanKind
+    __slots__ = ("_tracing", "_trace_id", "_span_id", "_start_ns", "_parent", "_rid",
+                 "_calls", "_done")
 
-        self._tracer = tracer
-        self._kind = SpanKind.CLIENT
+    def __init__(self, tracing: Tracing, rec: Record) -> None:
+        self._tracing = tracing
+        self._trace_id = (random.getrandbits(128) or 1).to_bytes(16, "big")
+        self._span_id = (random.getrandbits(64) or 1).to_bytes(8, "big")
         # Started where the record was: the client's request has been read by then.
-        self.root = tracer.start_span(
-            "pd.request", kind=SpanKind.SERVER, start_time=tracing.wall_ns(rec.started),
-            attributes={"http.route": rec.route, "pd.request_id": rec.request_id})
-        self._parent = trace.set_span_in_context(self.root)
-        self._calls: dict[str, Span] = {}
+        self._start_ns = wall_ns(rec.started)
+        self._parent = f"00-{self._trace_id.hex()}-"
+        self._rid = wire.attr("pd.request_id", rec.request_id)
+        self._calls: dict[str, tuple[bytes, int, bytes]] = {}  # role: span id, start, attrs
+        self._done: list[bytes] = []
 
     def call(self, role: str, url: str, rec: Record) -> dict[str, str]:
         """A call to a `role` node begins (ending this request's earlier one there): the
         headers that carry its span's context."""
         self.end(role)
-        span = self._tracer.start_span(
-            f"pd.{role}", context=self._parent, kind=self._kind,
-            attributes={"pd.node": url, "pd.request_id": rec.request_id,
-                        "pd.transfer_id": rec.transfer_id})
-        self._calls[role] = span
-        return tracing.headers_of(span)
+        span_id = (random.getrandbits(64) or 1).to_bytes(8, "big")
+        t = self._tracing
+        attrs = b"".join((t.attr("pd.node", url), self._rid,
+                          wire.attr("pd.transfer_id", rec.transfer_id)))
+        self._calls[role] = (span_id, time.time_ns(), attrs)
+        return {"traceparent": f"{self._parent}{span_id.hex()}-01"}
 
     def end(self, role: str) -> None:
-        span = self._calls.pop(role, None)
-        if span is not None:
-            span.end()
+        call = self._calls.pop(role, None)
+        if call is not None:
+            span_id, start, attrs = call
+            self._done.append(wire.span(self._trace_id, span_id, self._span_id,
+                                        self._tracing.name(role), start, time.time_ns(), attrs))
 
     def finish(self, rec: Record) -> None:
-        from opentelemetry.trace import Status, StatusCode
-
         for role in list(self._calls):
             self.end(role)
-        attrs: dict[str, str | int] = {"http.status_code": rec.status, "pd.path": rec.path,
-                                       "pd.transfer_id": rec.transfer_id,
-                                       "pd.output_tokens": rec.usage_output or rec.tokens_out}
+        t = self._tracing
+        attrs = [t.attr("http.route", rec.route), self._rid,
+                 t.attr("http.status_code", rec.status), t.attr("pd.path", rec.path),
+                 wire.attr("pd.transfer_id", rec.transfer_id),
+                 wire.attr("pd.output_tokens", rec.usage_output or rec.tokens_out)]
         if rec.placed is not None:
-            attrs["pd.split"] = f"{rec.placed.where}:{rec.placed.reason}"
+            attrs.append(t.attr("pd.split", f"{rec.placed.where}:{rec.placed.reason}"))
         if rec.fallback:
-            attrs["pd.fallback"] = rec.fallback
+            attrs.append(wire.attr("pd.fallback", rec.fallback))
         if rec.usage_prompt or rec.prompt_tokens:
-            attrs["pd.prompt_tokens"] = rec.usage_prompt or rec.prompt_tokens or 0
-        self.root.set_attributes(attrs)
-        if rec.status >= 500 or rec.error:
-            self.root.set_status(Status(StatusCode.ERROR, rec.error or str(rec.status)))
-        self.root.end()
+            attrs.append(wire.attr("pd.prompt_tokens", rec.usage_prompt or rec.prompt_tokens
+                                   or 0))
+        error = (rec.error or str(rec.status)) if rec.status >= 500 or rec.error else None
+        self._done.append(wire.span(self._trace_id, self._span_id, None, _REQUEST,
+                                    self._start_ns, time.time_ns(), b"".join(attrs), error))
+        t.export.add(b"".join(self._done), len(self._done))

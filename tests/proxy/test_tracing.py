@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.otlp import Collector, span_id_of, trace_id_of
+from tests.otlp import Collector, GrpcCollector, span_id_of, trace_id_of
 from tests.proxy.conftest import MakeCluster
 
 STREAM = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
@@ -29,7 +29,7 @@ async def test_a_split_request_is_one_trace_with_a_span_per_call(make_cluster: M
     p_parent, d_parent = p.headers["traceparent"], d.headers["traceparent"]
     trace_id = trace_id_of(p_parent)
     assert trace_id_of(d_parent) == trace_id
-    spans = {s.name: s for s in collector.wait(trace_id, {"pd.request", "pd.prefill",
+    spans = {s.name: s for s in await collector.wait_async(trace_id, {"pd.request", "pd.prefill",
                                                             "pd.decode"})}
     root, prefill, decode = spans["pd.request"], spans["pd.prefill"], spans["pd.decode"]
     assert root.parent_id == "" and root.service == "pd-proxy"
@@ -54,14 +54,15 @@ async def test_a_first_token_stream_and_a_fallback_are_traced(make_cluster: Make
         assert r.status == 200
         await r.read()
     trace_id = trace_id_of(c.prefill[0].received[0].headers["traceparent"])
-    names = [s.name for s in collector.wait(trace_id, {"pd.request", "pd.prefill",
+    names = [s.name for s in await collector.wait_async(trace_id, {"pd.request", "pd.prefill",
                                                         "pd.decode"})]
     assert sorted(names) == ["pd.decode", "pd.prefill", "pd.request"]
     await c.prefill[0].stop()  # P unreachable: D alone answers, in the same kind of trace
     status, _, _ = await c.post()
     assert status == 200
     d = c.decode[0].received[-1]
-    spans = collector.wait(trace_id_of(d.headers["traceparent"]), {"pd.request", "pd.decode"})
+    spans = await collector.wait_async(trace_id_of(d.headers["traceparent"]),
+                                       {"pd.request", "pd.decode"})
     root = next(s for s in spans if s.name == "pd.request")
     assert root.attributes["pd.path"] == "d_alone" and "pd.fallback" in root.attributes
 
@@ -88,3 +89,21 @@ async def test_an_unsampled_request_carries_an_unsampled_context_and_records_not
     assert span_id_of(p) != span_id_of(d)
     await c.proxy.close()  # flushes whatever was recorded: nothing
     assert collector.spans == []
+
+
+async def test_the_default_protocol_is_grpc_and_exported_spans_are_counted(
+        make_cluster: MakeCluster, monkeypatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with GrpcCollector() as collector:
+        c = await make_cluster(otlp_traces_endpoint=collector.url)
+        for _ in range(2):
+            status, _, _ = await c.post()
+            assert status == 200
+        trace_id = trace_id_of(c.decode[0].received[-1].headers["traceparent"])
+        await collector.wait_async(trace_id, {"pd.request", "pd.prefill", "pd.decode"})
+        await collector.wait_async(trace_id_of(c.decode[0].received[0].headers["traceparent"]),
+                                   {"pd.request"})
+        async with c.http.get(f"{c.url}/metrics") as r:
+            text = await r.text()
+    assert 'pd_proxy_trace_spans_total{outcome="exported"} 6.0' in text
+    assert 'pd_proxy_trace_spans_total{outcome="dropped"} 0.0' in text
