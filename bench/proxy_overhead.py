@@ -12,8 +12,8 @@ cheap. Direct and proxied load alternate in short slices, so that other work on 
 machine weighs on both alike. Prints added latency (p50, p99), the proxy's requests per
 second as a ratio of direct-to-D, and each server's CPU time per request.
 Targets: <= 0.6 ms added at p50 at concurrency 1; >= 50% of direct throughput at 64.
---tracing: also a proxy exporting a trace per request (OTLP/HTTP, to a receiver in this
-process that answers at once) against the untraced one: >= 95% of its req/s and at most
+--tracing: also a proxy exporting a trace per request (OTLP/HTTP, to a receiver process
+that answers at once) against the untraced one: >= 95% of its req/s and at most
 0.1 ms more p50 at concurrency 1.
 """
 
@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -308,9 +307,13 @@ class Arm:
     max_added_p50_ms: float | None = None  # at concurrency 1, its p50 over this proxy's
 
 
-def _otlp_receiver() -> tuple[str, ThreadingHTTPServer]:
-    """An OTLP/HTTP endpoint that takes every export and answers 200 at once."""
+def run_otlp_receiver(port: int) -> None:
+    """An OTLP/HTTP endpoint in a process of its own (a collector is one: in the load
+    generator's process it would slow the load by its share of the GIL), keeping
+    connections alive, taking every export and answering 200 at once."""
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             self.send_response(200)
@@ -320,9 +323,18 @@ def _otlp_receiver() -> tuple[str, ThreadingHTTPServer]:
         def log_message(self, *_: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/v1/traces", server
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+def _trace_spans(port: int) -> str:
+    """The traced proxy's span counts (pd_proxy_trace_spans_total): a dropped span would
+    make tracing look cheaper than it is."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        text = b"".join(iter(lambda: s.recv(65536), b"")).decode()
+    counts = [line.split("{")[1] for line in text.splitlines()
+              if line.startswith("pd_proxy_trace_spans_total{")]
+    return ", ".join(c.replace('outcome="', "").replace('"} ', " ") for c in counts)
 
 
 def _proxy_args(port: int, p_port: int, b_port: int, d_port: int, *extra: str) -> list[str]:
@@ -354,9 +366,13 @@ def main() -> None:
                          "side: the before/after of a change")
     ap.add_argument("--fake", nargs=2, type=int, metavar=("PORT", "BOOTSTRAP_PORT"),
                     help=argparse.SUPPRESS)
+    ap.add_argument("--otlp-receiver", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.fake:
         run_fake(args.fake[0], args.fake[1] or None)
+        return
+    if args.otlp_receiver:
+        run_otlp_receiver(args.otlp_receiver)
         return
 
     from rich.console import Console
@@ -384,10 +400,13 @@ def main() -> None:
         procs.append(proc)
         arms.append(Arm("keyed", k_port, proc, "keyed proxy (client key checked, node key "
                         "sent upstream) against the open one", now_over_it=False))
-    receiver: ThreadingHTTPServer | None = None
+    traced_port: int | None = None
     if args.tracing:
-        endpoint, receiver = _otlp_receiver()
-        t_port = _free_port()
+        rx_port = _free_port()
+        procs.append(_spawn([__file__, "--otlp-receiver", str(rx_port)], other_cpus,
+                            logs / "otlp.log"))
+        endpoint = f"http://127.0.0.1:{rx_port}/v1/traces"
+        t_port = traced_port = _free_port()
         proc = _spawn(_proxy_args(t_port, p_port, b_port, d_port, "--otlp-traces-endpoint",
                                   endpoint, "--otlp-traces-protocol", "http/protobuf",
                                   "--otlp-traces-sample-ratio", str(args.tracing_sample)),
@@ -426,6 +445,7 @@ def main() -> None:
                         (x_port, procs[2].pid), (arm.port, arm.proc.pid), c, args.seconds,
                         stream, args.rounds)))
         wall = time.monotonic() - started
+        spans = "" if traced_port is None else _trace_spans(traced_port)
     except BaseException:
         console.print(f"[red]bench failed; process logs in {logs}[/]")
         raise
@@ -468,7 +488,8 @@ def main() -> None:
         ratio_name = f"now/{arm.label}" if arm.now_over_it else f"{arm.label}/now"
         t = Table(title=f"{arm.title}, alternating slices")
         for col in ("mode", "conc", "now p50 ms", f"{arm.label} p50 ms", "now req/s",
-                    f"{arm.label} req/s", ratio_name, "target"):
+                    f"{arm.label} req/s", ratio_name, "target", "now CPU µs/req",
+                    f"{arm.label} CPU µs/req"):
             t.add_column(col, justify="right")
         for a_, stream, c, now, it in against:
             if a_ is not arm:
@@ -483,12 +504,13 @@ def main() -> None:
             t.add_row(f"stream ({CHUNKS} ev)" if stream else "json", str(c),
                       f"{now.pct(0.5) * 1000:.2f}", f"{it.pct(0.5) * 1000:.2f}",
                       f"{now.rps:,.0f}", f"{it.rps:,.0f}", f"{ratio:.0%}",
-                      f"[green]{target} ok[/]" if ok else f"[red]{target} MISSED[/]")
+                      f"[green]{target} ok[/]" if ok else f"[red]{target} MISSED[/]",
+                      f"{(now.cpu_per_req or 0) * 1e6:.0f}", f"{(it.cpu_per_req or 0) * 1e6:.0f}")
         console.print(t)
+    if spans:
+        console.print(f"the traced proxy's spans: {spans}")
     if worktree is not None:
         gitref.remove(worktree)
-    if receiver is not None:
-        receiver.shutdown()
     console.print(f"load phase {wall:.0f} s; CPU per request is the server process's own "
                   f"(fake D direct, the proxy through it); the proxy makes two upstream "
                   f"requests per request. Load average now: "

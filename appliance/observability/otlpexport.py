@@ -94,14 +94,18 @@ class SpanExport:
     async def _run(self) -> None:
         assert self._wake is not None
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:  # a full batch wakes it; else the schedule sends what there is
                 await asyncio.wait_for(self._wake.wait(), self.delay_s)
+                full_only = True
+            except asyncio.TimeoutError:
+                full_only = False
             self._wake.clear()
-            await self.flush()
+            await self.flush(full_only)
 
-    async def flush(self) -> None:
-        """Send everything queued, a batch at a time."""
-        while self._entries:
+    async def flush(self, full_only: bool = False) -> None:
+        """Send what is queued, a batch at a time (`full_only`: whole batches only, so that
+        what comes in while one is sent waits to fill the next)."""
+        while self._entries and (not full_only or self._queued >= self.max_batch):
             take = n = 0
             while take < len(self._entries) and (n == 0 or n + self._entries[take][1]
                                                  <= self.max_batch):

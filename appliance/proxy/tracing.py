@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from appliance.proxy.record import Record
 
 _REQUEST = wire.name_kind("pd.request", wire.KIND_SERVER)
+_REQUEST_ID, _TRANSFER_ID = wire.Key("pd.request_id"), wire.Key("pd.transfer_id")
+_OUTPUT, _PROMPT = wire.Key("pd.output_tokens"), wire.Key("pd.prompt_tokens")
 # Attributes with few values (nodes, routes, paths, statuses), written once each.
 _CACHE_MAX = 4096
 
@@ -82,7 +84,7 @@ class Unsampled:
 
 class RequestTrace:
     __slots__ = ("_tracing", "_trace_id", "_span_id", "_start_ns", "_parent", "_rid",
-                 "_calls", "_done")
+                 "_xfer", "_calls", "_done")
 
     def __init__(self, tracing: Tracing, rec: Record) -> None:
         self._tracing = tracing
@@ -91,7 +93,8 @@ class RequestTrace:
         # Started where the record was: the client's request has been read by then.
         self._start_ns = wall_ns(rec.started)
         self._parent = f"00-{self._trace_id.hex()}-"
-        self._rid = wire.attr("pd.request_id", rec.request_id)
+        self._rid = _REQUEST_ID.str(rec.request_id)
+        self._xfer = ("", b"")  # the transfer id, and its attribute
         self._calls: dict[str, tuple[bytes, int, bytes]] = {}  # role: span id, start, attrs
         self._done: list[bytes] = []
 
@@ -101,10 +104,14 @@ class RequestTrace:
         self.end(role)
         span_id = (random.getrandbits(64) or 1).to_bytes(8, "big")
         t = self._tracing
-        attrs = b"".join((t.attr("pd.node", url), self._rid,
-                          wire.attr("pd.transfer_id", rec.transfer_id)))
+        attrs = b"".join((t.attr("pd.node", url), self._rid, self._transfer(rec)))
         self._calls[role] = (span_id, time.time_ns(), attrs)
         return {"traceparent": f"{self._parent}{span_id.hex()}-01"}
+
+    def _transfer(self, rec: Record) -> bytes:
+        if self._xfer[0] != rec.transfer_id:
+            self._xfer = (rec.transfer_id, _TRANSFER_ID.str(rec.transfer_id))
+        return self._xfer[1]
 
     def end(self, role: str) -> None:
         call = self._calls.pop(role, None)
@@ -119,15 +126,13 @@ class RequestTrace:
         t = self._tracing
         attrs = [t.attr("http.route", rec.route), self._rid,
                  t.attr("http.status_code", rec.status), t.attr("pd.path", rec.path),
-                 wire.attr("pd.transfer_id", rec.transfer_id),
-                 wire.attr("pd.output_tokens", rec.usage_output or rec.tokens_out)]
+                 self._transfer(rec), _OUTPUT.int(rec.usage_output or rec.tokens_out)]
         if rec.placed is not None:
             attrs.append(t.attr("pd.split", f"{rec.placed.where}:{rec.placed.reason}"))
         if rec.fallback:
             attrs.append(wire.attr("pd.fallback", rec.fallback))
         if rec.usage_prompt or rec.prompt_tokens:
-            attrs.append(wire.attr("pd.prompt_tokens", rec.usage_prompt or rec.prompt_tokens
-                                   or 0))
+            attrs.append(_PROMPT.int(rec.usage_prompt or rec.prompt_tokens or 0))
         error = (rec.error or str(rec.status)) if rec.status >= 500 or rec.error else None
         self._done.append(wire.span(self._trace_id, self._span_id, None, _REQUEST,
                                     self._start_ns, time.time_ns(), b"".join(attrs), error))
