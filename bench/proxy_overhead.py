@@ -20,8 +20,6 @@ that answers at once) against the untraced one: >= 95% of its req/s and at most
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -29,237 +27,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import gitref  # bench/gitref.py, beside this script
+from overhead_load import CLIENT_KEY, KEYED_PORTS, Result, compare
+from overhead_servers import CHUNKS
 
 ROOT = Path(__file__).resolve().parent.parent
-CHUNKS = 16
-PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
-
-
-# ---- fake P / D (run in child processes) -----------------------------------------------------
-
-def run_fake(port: int, bootstrap_port: int | None) -> None:
-    from aiohttp import web
-
-    def event(i: int, finish: str | None) -> bytes:
-        return b"data: " + json.dumps({
-            "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
-            "choices": [{"index": 0, "text": f" tok{i}", "finish_reason": finish}]}).encode() \
-            + b"\n\n"
-
-    stream_body = [event(i, "length" if i == CHUNKS - 1 else None) for i in range(CHUNKS)]
-    stream_body.append(b"data: [DONE]\n\n")
-
-    def full(n: int, token_ids: bool = False) -> bytes:
-        choice = {"index": 0, "text": " tok" * n, "finish_reason": "length"}
-        if token_ids:  # what P answers in the proxy's first-token mode
-            choice.update(token_ids=[7] * n, prompt_token_ids=list(range(90)))
-        return json.dumps({
-            "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
-            "choices": [choice], "usage": {"prompt_tokens": 90, "completion_tokens": n}}).encode()
-
-    one, one_ids, many = full(1), full(1, token_ids=True), full(CHUNKS)
-
-    async def generate(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for chunk in stream_body:  # one write per event, as vLLM does
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-        if body.get("max_tokens") == 1:
-            return web.Response(body=one_ids if body.get("return_token_ids") else one,
-                                content_type="application/json")
-        return web.Response(body=many, content_type="application/json")
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def query(request: web.Request) -> web.Response:
-        return web.json_response({"0": {"engine_id": "engine-bench",
-                                        "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}})
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", generate)
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        if bootstrap_port is not None:
-            bapp = web.Application()
-            bapp.router.add_get("/query", query)
-            brunner = web.AppRunner(bapp, access_log=None)
-            await brunner.setup()
-            await web.TCPSite(brunner, "127.0.0.1", bootstrap_port).start()
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
-
-# ---- load generator ------------------------------------------------------------------------
-
-class HttpConn(asyncio.Protocol):
-    """One keep-alive connection; request() resolves when the whole response is in."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.done: asyncio.Future[tuple[int, bytes]] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        parsed = _parse_response(self.buf)
-        if parsed is not None and self.done is not None and not self.done.done():
-            status, body, used = parsed
-            del self.buf[:used]
-            self.done.set_result((status, body))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_exception(ConnectionError("connection lost"))
-
-    async def request(self, raw: bytes) -> tuple[int, bytes]:
-        assert self.transport is not None
-        self.done = asyncio.get_running_loop().create_future()
-        self.transport.write(raw)
-        return await self.done
-
-
-def _parse_response(buf: bytearray) -> tuple[int, bytes, int] | None:
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return None
-    head = bytes(buf[:end]).decode("latin-1").split("\r\n")
-    status = int(head[0].split(" ", 2)[1])
-    headers = {k.strip().lower(): v.strip()
-               for k, _, v in (line.partition(":") for line in head[1:])}
-    pos = end + 4
-    if "content-length" in headers:
-        n = int(headers["content-length"])
-        if len(buf) < pos + n:
-            return None
-        return status, bytes(buf[pos:pos + n]), pos + n
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        body = bytearray()
-        while True:
-            line_end = buf.find(b"\r\n", pos)
-            if line_end < 0:
-                return None
-            size = int(bytes(buf[pos:line_end]).split(b";")[0], 16)
-            if len(buf) < line_end + 2 + size + 2:
-                return None
-            body += buf[line_end + 2:line_end + 2 + size]
-            pos = line_end + 2 + size + 2
-            if size == 0:
-                return status, bytes(body), pos
-    raise RuntimeError(f"cannot frame response: {head[0]}")
-
-
-# Ports whose server wants a client key (the keyed proxy of --auth).
-CLIENT_KEY = "bench-client-key"
-KEYED_PORTS: set[int] = set()
-
-
-def _request_bytes(port: int, stream: bool) -> bytes:
-    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": CHUNKS,
-                       "temperature": 0, "stream": stream}).encode()
-    auth = f"Authorization: Bearer {CLIENT_KEY}\r\n" if port in KEYED_PORTS else ""
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-            ).encode() + body
-
-
-@dataclass
-class Result:
-    latencies: list[float]
-    seconds: float
-    total: int = 0  # requests, warm-up included
-    cpu_per_req: float | None = None  # seconds of the measured server's CPU per request
-
-    @property
-    def rps(self) -> float:
-        return len(self.latencies) / self.seconds
-
-    def pct(self, q: float) -> float:
-        xs = sorted(self.latencies)
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-async def load(port: int, concurrency: int, seconds: float, stream: bool,
-               warmup: float = 0.5) -> Result:
-    loop = asyncio.get_running_loop()
-    raw = _request_bytes(port, stream)
-    conns = []
-    for _ in range(concurrency):
-        _, proto = await loop.create_connection(HttpConn, "127.0.0.1", port)
-        conns.append(proto)
-    latencies: list[float] = []
-    total = 0
-    start = time.perf_counter()
-    measure_from = start + warmup
-    stop_at = measure_from + seconds
-
-    async def worker(conn: HttpConn) -> None:
-        nonlocal total
-        while True:
-            t0 = time.perf_counter()
-            if t0 >= stop_at:
-                return
-            status, body = await conn.request(raw)
-            t1 = time.perf_counter()
-            total += 1
-            if status != 200 or (stream and not body.endswith(b"data: [DONE]\n\n")):
-                raise RuntimeError(f"bad answer {status}: {body[:200]!r}")
-            if t0 >= measure_from:
-                latencies.append(t1 - t0)
-
-    # Bounded: a stuck server fails the run instead of hanging it.
-    await asyncio.wait_for(asyncio.gather(*(worker(c) for c in conns)), warmup + seconds + 30)
-    elapsed = time.perf_counter() - measure_from
-    for c in conns:
-        assert c.transport is not None
-        c.transport.close()
-    return Result(latencies, elapsed, total)
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def measure(port: int, pid: int, concurrency: int, seconds: float, stream: bool,
-            warmup: float) -> Result:
-    before = _cpu_seconds(pid)
-    result = asyncio.run(load(port, concurrency, seconds, stream, warmup))
-    result.cpu_per_req = (_cpu_seconds(pid) - before) / max(1, result.total)
-    return result
-
-
-def compare(d: tuple[int, int], x: tuple[int, int], concurrency: int, seconds: float,
-            stream: bool, rounds: int) -> tuple[Result, Result]:
-    """Direct and proxied in alternating slices, so that other work on a shared machine
-    weighs on both sides alike; the slices are pooled."""
-    pooled = [Result([], 0.0, 0, 0.0), Result([], 0.0, 0, 0.0)]
-    for i in range(rounds):
-        for (port, pid), acc in zip((d, x), pooled, strict=True):
-            r = measure(port, pid, concurrency, seconds / rounds, stream,
-                        warmup=0.3 if i == 0 else 0.05)
-            acc.latencies += r.latencies
-            acc.seconds += r.seconds
-            acc.total += r.total
-            acc.cpu_per_req = (acc.cpu_per_req or 0) + (r.cpu_per_req or 0) * r.total
-    for acc in pooled:
-        acc.cpu_per_req = (acc.cpu_per_req or 0) / max(1, acc.total)
-    return pooled[0], pooled[1]
+SERVERS = str(Path(__file__).resolve().parent / "overhead_servers.py")
 
 
 # ---- orchestration -------------------------------------------------------------------------
@@ -307,25 +82,6 @@ class Arm:
     max_added_p50_ms: float | None = None  # at concurrency 1, its p50 over this proxy's
 
 
-def run_otlp_receiver(port: int) -> None:
-    """An OTLP/HTTP endpoint in a process of its own (a collector is one: in the load
-    generator's process it would slow the load by its share of the GIL), keeping
-    connections alive, taking every export and answering 200 at once."""
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *_: object) -> None:
-            pass
-
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-
-
 def _trace_spans(port: int) -> str:
     """The traced proxy's span counts (pd_proxy_trace_spans_total): a dropped span would
     make tracing look cheaper than it is."""
@@ -364,16 +120,7 @@ def main() -> None:
     ap.add_argument("--compare-ref", metavar="GIT_REF",
                     help="also the proxy as of another commit (a git worktree of it), side by "
                          "side: the before/after of a change")
-    ap.add_argument("--fake", nargs=2, type=int, metavar=("PORT", "BOOTSTRAP_PORT"),
-                    help=argparse.SUPPRESS)
-    ap.add_argument("--otlp-receiver", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.fake:
-        run_fake(args.fake[0], args.fake[1] or None)
-        return
-    if args.otlp_receiver:
-        run_otlp_receiver(args.otlp_receiver)
-        return
 
     from rich.console import Console
     from rich.table import Table
@@ -387,8 +134,8 @@ def main() -> None:
     p_port, b_port, d_port, x_port, k_port, r_port = (_free_port() for _ in range(6))
     logs = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
     procs = [
-        _spawn([__file__, "--fake", str(p_port), str(b_port)], other_cpus, logs / "p.log"),
-        _spawn([__file__, "--fake", str(d_port), "0"], other_cpus, logs / "d.log"),
+        _spawn([SERVERS, "--fake", str(p_port), str(b_port)], other_cpus, logs / "p.log"),
+        _spawn([SERVERS, "--fake", str(d_port), "0"], other_cpus, logs / "d.log"),
         _spawn(_proxy_args(x_port, p_port, b_port, d_port), proxy_cpus, logs / "proxy.log"),
     ]
     arms: list[Arm] = []
@@ -403,7 +150,7 @@ def main() -> None:
     traced_port: int | None = None
     if args.tracing:
         rx_port = _free_port()
-        procs.append(_spawn([__file__, "--otlp-receiver", str(rx_port)], other_cpus,
+        procs.append(_spawn([SERVERS, "--otlp-receiver", str(rx_port)], other_cpus,
                             logs / "otlp.log"))
         endpoint = f"http://127.0.0.1:{rx_port}/v1/traces"
         t_port = traced_port = _free_port()

@@ -114,6 +114,8 @@ def _row(results: list[dict]) -> dict[str, float]:
     """Medians over the rounds of one setup's numbers."""
     keys = ["request_throughput", "completed"] + [f"{q}_{m}_ms" for m in METRICS
                                                   for q in ("p50", "p99")]
+    if any("p50_ttft_first_ms" in r for r in results):  # chats: first and later turns
+        keys += ["p50_ttft_first_ms", "p50_ttft_later_ms"]
     row = {}
     for key in keys:
         values = [r.get(key) if key in r else r.get(key.replace("p50", "median"))

@@ -1,0 +1,174 @@
+"""bench/proxy_overhead.py's load generator: a small keep-alive HTTP/1.1 client on raw
+asyncio sockets (cheap, so that the server measured is the limit), its results, and the
+alternating slices that compare two servers under the same load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from overhead_servers import CHUNKS
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 8
+
+
+class HttpConn(asyncio.Protocol):
+    """One keep-alive connection; request() resolves when the whole response is in."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.done: asyncio.Future[tuple[int, bytes]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        parsed = _parse_response(self.buf)
+        if parsed is not None and self.done is not None and not self.done.done():
+            status, body, used = parsed
+            del self.buf[:used]
+            self.done.set_result((status, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("connection lost"))
+
+    async def request(self, raw: bytes) -> tuple[int, bytes]:
+        assert self.transport is not None
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return await self.done
+
+
+def _parse_response(buf: bytearray) -> tuple[int, bytes, int] | None:
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    status = int(head[0].split(" ", 2)[1])
+    headers = {k.strip().lower(): v.strip()
+               for k, _, v in (line.partition(":") for line in head[1:])}
+    pos = end + 4
+    if "content-length" in headers:
+        n = int(headers["content-length"])
+        if len(buf) < pos + n:
+            return None
+        return status, bytes(buf[pos:pos + n]), pos + n
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        body = bytearray()
+        while True:
+            line_end = buf.find(b"\r\n", pos)
+            if line_end < 0:
+                return None
+            size = int(bytes(buf[pos:line_end]).split(b";")[0], 16)
+            if len(buf) < line_end + 2 + size + 2:
+                return None
+            body += buf[line_end + 2:line_end + 2 + size]
+            pos = line_end + 2 + size + 2
+            if size == 0:
+                return status, bytes(body), pos
+    raise RuntimeError(f"cannot frame response: {head[0]}")
+
+
+# Ports whose server wants a client key (the keyed proxy of --auth).
+CLIENT_KEY = "bench-client-key"
+KEYED_PORTS: set[int] = set()
+
+
+def _request_bytes(port: int, stream: bool) -> bytes:
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": CHUNKS,
+                       "temperature": 0, "stream": stream}).encode()
+    auth = f"Authorization: Bearer {CLIENT_KEY}\r\n" if port in KEYED_PORTS else ""
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+@dataclass
+class Result:
+    latencies: list[float]
+    seconds: float
+    total: int = 0  # requests, warm-up included
+    cpu_per_req: float | None = None  # seconds of the measured server's CPU per request
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies) / self.seconds
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def load(port: int, concurrency: int, seconds: float, stream: bool,
+               warmup: float = 0.5) -> Result:
+    loop = asyncio.get_running_loop()
+    raw = _request_bytes(port, stream)
+    conns = []
+    for _ in range(concurrency):
+        _, proto = await loop.create_connection(HttpConn, "127.0.0.1", port)
+        conns.append(proto)
+    latencies: list[float] = []
+    total = 0
+    start = time.perf_counter()
+    measure_from = start + warmup
+    stop_at = measure_from + seconds
+
+    async def worker(conn: HttpConn) -> None:
+        nonlocal total
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= stop_at:
+                return
+            status, body = await conn.request(raw)
+            t1 = time.perf_counter()
+            total += 1
+            if status != 200 or (stream and not body.endswith(b"data: [DONE]\n\n")):
+                raise RuntimeError(f"bad answer {status}: {body[:200]!r}")
+            if t0 >= measure_from:
+                latencies.append(t1 - t0)
+
+    # Bounded: a stuck server fails the run instead of hanging it.
+    await asyncio.wait_for(asyncio.gather(*(worker(c) for c in conns)), warmup + seconds + 30)
+    elapsed = time.perf_counter() - measure_from
+    for c in conns:
+        assert c.transport is not None
+        c.transport.close()
+    return Result(latencies, elapsed, total)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(port: int, pid: int, concurrency: int, seconds: float, stream: bool,
+            warmup: float) -> Result:
+    before = _cpu_seconds(pid)
+    result = asyncio.run(load(port, concurrency, seconds, stream, warmup))
+    result.cpu_per_req = (_cpu_seconds(pid) - before) / max(1, result.total)
+    return result
+
+
+def compare(d: tuple[int, int], x: tuple[int, int], concurrency: int, seconds: float,
+            stream: bool, rounds: int) -> tuple[Result, Result]:
+    """Direct and proxied in alternating slices, so that other work on a shared machine
+    weighs on both sides alike; the slices are pooled."""
+    pooled = [Result([], 0.0, 0, 0.0), Result([], 0.0, 0, 0.0)]
+    for i in range(rounds):
+        for (port, pid), acc in zip((d, x), pooled, strict=True):
+            r = measure(port, pid, concurrency, seconds / rounds, stream,
+                        warmup=0.3 if i == 0 else 0.05)
+            acc.latencies += r.latencies
+            acc.seconds += r.seconds
+            acc.total += r.total
+            acc.cpu_per_req = (acc.cpu_per_req or 0) + (r.cpu_per_req or 0) * r.total
+    for acc in pooled:
+        acc.cpu_per_req = (acc.cpu_per_req or 0) / max(1, acc.total)
+    return pooled[0], pooled[1]
