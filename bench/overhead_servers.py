@@ -1,7 +1,7 @@
 """The servers bench/proxy_overhead.py measures the proxy against, each run in a process of
 its own (`python bench/overhead_servers.py --fake PORT BOOTSTRAP_PORT | --otlp-receiver PORT`):
 a fake P (with its bootstrap) or D that answers at once (D streams CHUNKS SSE events when
-asked to), and an OTLP/HTTP receiver."""
+asked to), and an OTLP/HTTP or OTLP/gRPC (`--grpc`) receiver."""
 
 from __future__ import annotations
 
@@ -93,12 +93,29 @@ def run_otlp_receiver(port: int) -> None:
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
+def run_otlp_grpc_receiver(port: int) -> None:
+    """The same over OTLP/gRPC (the TraceService's Export, its request left undecoded)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    handler = grpc.method_handlers_generic_handler(
+        "opentelemetry.proto.collector.trace.v1.TraceService",
+        {"Export": grpc.unary_unary_rpc_method_handler(lambda _req, _ctx: b"")})
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fake", nargs=2, type=int, metavar=("PORT", "BOOTSTRAP_PORT"))
     ap.add_argument("--otlp-receiver", type=int, metavar="PORT")
+    ap.add_argument("--grpc", action="store_true", help="the receiver speaks OTLP/gRPC")
     args = ap.parse_args()
     if args.fake:
         run_fake(args.fake[0], args.fake[1] or None)
     elif args.otlp_receiver:
-        run_otlp_receiver(args.otlp_receiver)
+        (run_otlp_grpc_receiver if args.grpc else run_otlp_receiver)(args.otlp_receiver)

@@ -1,7 +1,7 @@
 """What the proxy costs: the same load sent straight to D and through the proxy, in one run.
 
     python bench/proxy_overhead.py [--seconds 3] [--concurrency 1 64] [--auth] [--tracing]
-                                   [--compare-ref GIT_REF]
+        [--tracing-protocol grpc|http/protobuf] [--tracing-sample R] [--compare-ref GIT_REF]
 
 Fake P (with its bootstrap) and fake D are aiohttp servers on loopback that answer at once
 (D streams 16 SSE events when asked to; a stream goes P first, then D, the proxy's
@@ -12,8 +12,8 @@ cheap. Direct and proxied load alternate in short slices, so that other work on 
 machine weighs on both alike. Prints added latency (p50, p99), the proxy's requests per
 second as a ratio of direct-to-D, and each server's CPU time per request.
 Targets: <= 0.6 ms added at p50 at concurrency 1; >= 50% of direct throughput at 64.
---tracing: also a proxy exporting a trace per request (OTLP/HTTP, to a receiver process
-that answers at once) against the untraced one: >= 95% of its req/s and at most
+--tracing: also a proxy exporting a trace per request (OTLP/HTTP or gRPC, to a receiver
+process that answers at once) against the untraced one: >= 95% of its req/s and at most
 0.1 ms more p50 at concurrency 1.
 """
 
@@ -113,8 +113,10 @@ def main() -> None:
                     help="also a keyed proxy (client key, key to P and D, bootstrap token) "
                          "against the open one, side by side")
     ap.add_argument("--tracing", action="store_true",
-                    help="also a proxy exporting a trace per request (OTLP/HTTP to a local "
-                         "receiver) against the untraced one, side by side")
+                    help="also a proxy exporting a trace per request (to a receiver process) "
+                         "against the untraced one, side by side")
+    ap.add_argument("--tracing-protocol", choices=("grpc", "http/protobuf"),
+                    default="http/protobuf", help="how the traced proxy exports")
     ap.add_argument("--tracing-sample", type=float, default=1.0, metavar="RATIO",
                     help="the traced proxy's --otlp-traces-sample-ratio (default 1)")
     ap.add_argument("--compare-ref", metavar="GIT_REF",
@@ -150,17 +152,19 @@ def main() -> None:
     traced_port: int | None = None
     if args.tracing:
         rx_port = _free_port()
-        procs.append(_spawn([SERVERS, "--otlp-receiver", str(rx_port)], other_cpus,
-                            logs / "otlp.log"))
-        endpoint = f"http://127.0.0.1:{rx_port}/v1/traces"
+        grpc = args.tracing_protocol == "grpc"
+        procs.append(_spawn([SERVERS, "--otlp-receiver", str(rx_port), *["--grpc"] * grpc],
+                            other_cpus, logs / "otlp.log"))
+        endpoint = f"http://127.0.0.1:{rx_port}{'' if grpc else '/v1/traces'}"
         t_port = traced_port = _free_port()
         proc = _spawn(_proxy_args(t_port, p_port, b_port, d_port, "--otlp-traces-endpoint",
-                                  endpoint, "--otlp-traces-protocol", "http/protobuf",
+                                  endpoint, "--otlp-traces-protocol", args.tracing_protocol,
                                   "--otlp-traces-sample-ratio", str(args.tracing_sample)),
                       proxy_cpus, logs / "traced.log")
         procs.append(proc)
         arms.append(Arm("traced", t_port, proc, f"traced proxy ({args.tracing_sample:.0%} of "
-                        "requests, exported over OTLP/HTTP) against the untraced one",
+                        f"requests, exported over OTLP/{'gRPC' if grpc else 'HTTP'}) against "
+                        "the untraced one",
                         now_over_it=False,
                         min_ratio=0.95, max_added_p50_ms=0.1))
     worktree: Path | None = None
