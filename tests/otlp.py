@@ -99,7 +99,6 @@ class _Receiver:
         return None
 
 
-
 class Collector(_Receiver):
     """OTLP/HTTP."""
 

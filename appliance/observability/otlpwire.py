@@ -32,7 +32,7 @@ _RESOURCE_ATTRIBUTE = 0x0A
 _SCOPE_NAME = 0x0A
 _REQUEST_RESOURCE_SPANS = 0x0A
 
-KIND_SERVER, KIND_CLIENT, KIND_INTERNAL = 2, 3, 1
+KIND_SERVER, KIND_CLIENT = 2, 3
 
 
 def varint(n: int) -> bytes:
@@ -85,17 +85,17 @@ class Key:
     def str(self, value: str) -> bytes:
         v = value.encode()
         n = len(v)
-        any_value = b"\x0a" + (_SMALL[n] if n < 0x80 else varint(n)) + v
+        any_value = _SMALL[_ANY_STRING] + (_SMALL[n] if n < 0x80 else varint(n)) + v
         n = len(any_value)
         kv = self._head + (_SMALL[n] if n < 0x80 else varint(n)) + any_value
         n = len(kv)
-        return b"\x4a" + (_SMALL[n] if n < 0x80 else varint(n)) + kv
+        return _SMALL[_SPAN_ATTRIBUTE] + (_SMALL[n] if n < 0x80 else varint(n)) + kv
 
     def int(self, value: int) -> bytes:
-        any_value = b"\x18" + varint(value if value >= 0 else value + (1 << 64))
+        any_value = _SMALL[_ANY_INT] + varint(value if value >= 0 else value + (1 << 64))
         kv = self._head + _SMALL[len(any_value)] + any_value
         n = len(kv)
-        return b"\x4a" + (_SMALL[n] if n < 0x80 else varint(n)) + kv
+        return _SMALL[_SPAN_ATTRIBUTE] + (_SMALL[n] if n < 0x80 else varint(n)) + kv
 
 
 def name_kind(name: str, kind: int) -> bytes:

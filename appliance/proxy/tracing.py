@@ -83,7 +83,7 @@ class Unsampled:
 
 
 class RequestTrace:
-    __slots__ = ("_tracing", "_trace_id", "_span_id", "_start_ns", "_parent", "_rid",
+    __slots__ = ("_tracing", "_trace_id", "_span_id", "_start_ns", "_traceparent", "_rid",
                  "_xfer", "_calls", "_done")
 
     def __init__(self, tracing: Tracing, rec: Record) -> None:
@@ -92,7 +92,7 @@ class RequestTrace:
         self._span_id = (random.getrandbits(64) or 1).to_bytes(8, "big")
         # Started where the record was: the client's request has been read by then.
         self._start_ns = wall_ns(rec.started)
-        self._parent = f"00-{self._trace_id.hex()}-"
+        self._traceparent = f"00-{self._trace_id.hex()}-"  # a call's span id follows
         self._rid = _REQUEST_ID.str(rec.request_id)
         self._xfer = ("", b"")  # the transfer id, and its attribute
         self._calls: dict[str, tuple[bytes, int, bytes]] = {}  # role: span id, start, attrs
@@ -106,7 +106,7 @@ class RequestTrace:
         t = self._tracing
         attrs = b"".join((t.attr("pd.node", url), self._rid, self._transfer(rec)))
         self._calls[role] = (span_id, time.time_ns(), attrs)
-        return {"traceparent": f"{self._parent}{span_id.hex()}-01"}
+        return {"traceparent": f"{self._traceparent}{span_id.hex()}-01"}
 
     def _transfer(self, rec: Record) -> bytes:
         if self._xfer[0] != rec.transfer_id:
