@@ -36,6 +36,23 @@ def _env(env: Mapping[str, str], name: str, default: str = "") -> str:
         f"OTEL_EXPORTER_OTLP_{name}") or default
 
 
+def _number(env: Mapping[str, str], name: str, default: float, least: float) -> float:
+    """A numeric variable; one that is not a number of at least `least` is named in a
+    warning and the default taken (as the SDK does), not a proxy that fails to start."""
+    text = env.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        log.warning("%s=%r is not a number of at least %g: %g taken", name, text, least,
+                    default)
+        return default
+    return value
+
+
 def parse_headers(text: str) -> dict[str, str]:
     """`k1=v1,k2=v2` (values URL-encoded), as OTEL_EXPORTER_OTLP_HEADERS writes them."""
     out = {}
@@ -55,10 +72,12 @@ class SpanExport:
             raise ValueError(f"OTLP protocol {protocol!r}: one of grpc, http/protobuf")
         self.endpoint, self.protocol = endpoint, protocol
         self.resource, self.scope = dict(resource), scope
-        self.delay_s = float(env.get("OTEL_BSP_SCHEDULE_DELAY", "5000")) / 1000
-        self.max_queue = int(env.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048"))
-        self.max_batch = int(env.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "512"))
-        self.timeout_s = float(_env(env, "TIMEOUT", "10"))
+        self.delay_s = _number(env, "OTEL_BSP_SCHEDULE_DELAY", 5000, 1) / 1000
+        self.max_queue = int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048, 1))
+        self.max_batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512, 1))
+        timeout = next((n for n in ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+                                    "OTEL_EXPORTER_OTLP_TIMEOUT") if env.get(n)), "")
+        self.timeout_s = _number(env, timeout, 10, 0.001) if timeout else 10.0
         self.headers = parse_headers(_env(env, "HEADERS"))
         self.gzip = _env(env, "COMPRESSION").lower() == "gzip"
         self.counts = {"exported": 0, "dropped": 0}

@@ -114,3 +114,15 @@ async def test_a_collector_that_is_not_there_costs_a_dropped_batch(monkeypatch) 
 def test_an_unknown_protocol_is_refused() -> None:
     with pytest.raises(ValueError, match="grpc, http/protobuf"):
         SpanExport("http://127.0.0.1:4317", "http/json", {}, "t", {})
+
+
+def test_settings_that_are_not_numbers_are_named_and_the_defaults_taken(caplog) -> None:
+    export = SpanExport("http://127.0.0.1:4318/v1/traces", "http/protobuf", {}, "t", {
+        "OTEL_BSP_SCHEDULE_DELAY": "soon", "OTEL_BSP_MAX_QUEUE_SIZE": "-5",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "64", "OTEL_EXPORTER_OTLP_TIMEOUT": "0"})
+    assert (export.delay_s, export.max_queue, export.max_batch, export.timeout_s) == \
+        (5.0, 2048, 64, 10.0)
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    for name in ("OTEL_BSP_SCHEDULE_DELAY='soon'", "OTEL_BSP_MAX_QUEUE_SIZE='-5'",
+                 "OTEL_EXPORTER_OTLP_TIMEOUT='0'"):
+        assert name in warned
