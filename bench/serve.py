@@ -179,6 +179,9 @@ def main() -> None:
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="measure from the first request (auto still unmeasured)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-serve"))
+    parser.add_argument("--access-log", action="store_true",
+                        help="the proxies' access lines (each request's placement) in their "
+                             "logs under --log-dir")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -186,7 +189,8 @@ def main() -> None:
     for name in args.workloads.split(","):
         work = WORKLOADS[name]
         model = tinymodel.build(ROOT / ".cache" / "models" / work.model, work.model)
-        setups = [*(appliance_setup(model, args.log_dir, split, split) for split in SETUPS),
+        setups = [*(appliance_setup(model, args.log_dir, split, split, args.access_log)
+                    for split in SETUPS),
                   plain_setup(model, args.log_dir)]
         results: dict[str, list[dict]] = {s.name: [] for s in setups}
         placed = {"remote": 0.0, "local": 0.0, "p_alone": 0.0}

@@ -143,19 +143,19 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
 
 
 def appliance_setup(model: Path, log_dir: Path, split: str = "always",
-                    name: str = "appliance") -> Setup:
+                    name: str = "appliance", log_requests: bool = False) -> Setup:
     """The appliance as users meet it: our proxy (P's token first) in front of a P and D of
     its own (shared servers would see each prompt twice: a prefix-cache hit). `split`:
     the proxy's placement policy (always: every request through P, as this benchmark
-    measures)."""
+    measures); `log_requests`: the proxy's access lines in its log."""
     servers = ours_setup(model, log_dir, name=name)
     port = free_port()
     proxy = ServiceProcess(
         f"{name}-proxy", [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1",
                           "--port", str(port), "--prefill",
                           f"{servers.prefill_url},{servers.bootstrap_url}",
-                          "--decode", str(servers.decode_url), "--no-log-requests",
-                          "--split", split],
+                          "--decode", str(servers.decode_url), "--split", split,
+                          *(() if log_requests else ("--no-log-requests",))],
         log_dir / f"{name}-proxy.log", health_url=f"http://127.0.0.1:{port}/health")
     return Setup(name, [*servers.services, proxy], proxy_url=f"http://127.0.0.1:{port}",
                  prefill_url=servers.prefill_url, decode_url=servers.decode_url)

@@ -252,6 +252,8 @@ class Proxy:
                               headers={"X-Request-Id": rec.request_id})
         finally:
             self.in_flight -= 1
+            if rec.computed_on is not None and rec.prefix is not None and self.prefix is not None:
+                self.prefix.unexpect(rec.computed_on, rec.prefix)
             if rec.kv is not None:
                 rec.kv.p.transfers -= 1
                 self.pulls.done(rec.kv)
@@ -313,8 +315,17 @@ class Proxy:
                 serving = d
                 d.decodes += 1
                 return await self.exchange.plain(request, rec, body, d, "no_prefill")
+            if self.prefix is not None and rec.prefix is not None:
+                # As the index is now, and no await from here to `expect`: a burst on one
+                # prefix sees where the first of it is computed.
+                rec.prefix = self.prefix.recount(rec.prefix, list(rec.prefix.cached))
             p = self.router.pick_prefill(prefills, rec.prefix)
             rec.placed, rec.ticket, rec.prompt_chars = self._place(body, rec, p, d, size)
+            if self.prefix is not None and rec.prefix is not None:
+                # Its blocks are cached where it is computed from the step it is scheduled
+                # in: a burst on the same prefix goes there before the events say so.
+                rec.computed_on = (d if rec.placed.where == "local" else p).url
+                self.prefix.expect(rec.computed_on, rec.prefix)
             serving = p if rec.placed.on_prefill else d
             serving.decodes += 1
             if serving is p:  # P holds the request: drains, leaves and routing see it

@@ -39,8 +39,10 @@ class Record:
     # first token came (monotonic), D's time per streamed token.
     placed: Decision | None = None
     ticket: Ticket | None = None
-    # The prompt's exact tokens and each node's cached share (None: not predicted).
+    # The prompt's exact tokens and each node's cached share (None: not predicted), and
+    # the node that computes it (its blocks `expected` there in the index until the end).
     prefix: Lookup | None = None
+    computed_on: str | None = None
     prompt_chars: int = 0
     prompt_tokens: int | None = None
     prefilled_at: float | None = None

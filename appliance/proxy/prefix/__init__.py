@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -40,6 +40,9 @@ class Lookup:
     # last token's), and the block size.
     hashes: tuple[int, ...] = ()
     block_size: int = 0
+    # Per node URL, the cached tokens its events alone show (`cached` adds the blocks of
+    # prompts it computes now); None: the same as `cached`.
+    stored: dict[str, int] | None = None
 
     def on(self, url: str) -> int:
         return self.cached.get(url, 0)
@@ -47,7 +50,8 @@ class Lookup:
     def lacking(self, url: str) -> tuple[int, ...]:
         """The prompt's full-block hashes when `url` lacked some of them at the lookup (a
         pull there brings them), else none."""
-        return () if self.on(url) >= len(self.hashes) * self.block_size else self.hashes
+        held = self.cached if self.stored is None else self.stored
+        return () if held.get(url, 0) >= len(self.hashes) * self.block_size else self.hashes
 
 
 class PrefixCache:
@@ -87,10 +91,27 @@ class PrefixCache:
         hashes = [hashing.external(h) for h in hashing.chain(ids, size, self.index.seed)]
         # vLLM computes a prompt's last token even when every block is cached.
         most = (len(ids) - 1) // size
-        return Lookup(len(ids), {url: min(most, self.index.cached_blocks(url, hashes)) * size
-                                 for url in nodes},
-                      {url: self.index.blocks_held(url) for url in nodes}, took,
-                      tuple(hashes[:most]), size)
+        return self.recount(Lookup(len(ids), tokenize_s=took, hashes=tuple(hashes[:most]),
+                                   block_size=size), nodes)
+
+    def recount(self, lookup: Lookup, nodes: Sequence[str]) -> Lookup:
+        """The lookup's counts as the index has them now: a request placed while this one
+        waited (its tokenize, admission) may compute the same prefix (`expect`)."""
+        size, hashes = lookup.block_size, lookup.hashes
+        cached = {url: self.index.cached_blocks(url, hashes, expected=True) * size
+                  for url in nodes}
+        stored = {url: self.index.cached_blocks(url, hashes) * size for url in nodes}
+        return replace(lookup, cached=cached,
+                       held={url: self.index.blocks_held(url) for url in nodes},
+                       stored=None if stored == cached else stored)
+
+    def expect(self, url: str, lookup: Lookup) -> None:
+        """`url` computes this prompt now: until `unexpect`, a lookup counts its blocks as
+        cached there (appliance.proxy.prefix.index)."""
+        self.index.expect(url, lookup.hashes)
+
+    def unexpect(self, url: str, lookup: Lookup) -> None:
+        self.index.unexpect(url, lookup.hashes)
 
     def holds(self, url: str, hashes: Sequence[int]) -> bool:
         """Whether `url`'s engine caches every one of these blocks now (its KV events)."""

@@ -6,6 +6,12 @@ block's hash is checked against the one this proxy computes from its token ids
 seed) is marked unusable and predicts nothing, rather than predicting wrong. A source whose
 stream has a gap that replay could not fill, or whose engine restarted, is dropped: the
 decision then falls back to load alone for that node until new events arrive.
+
+Besides what the events say, the blocks of prompts placed on a node to compute and not yet
+done are `expected` there: the engine caches a prompt's blocks as it schedules them, so a
+second request with the same prefix that comes before the first one's events finds them
+(a burst on a shared system prompt). Without this the index calls that second prompt cold
+everywhere and sends it anywhere, to compute the prefix once more.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class PrefixIndex:
     def __init__(self, seed: str = hashing.DEFAULT_SEED) -> None:
         self.seed = seed
         self._sources: dict[tuple[str, int], Source] = {}
+        # Per node, the blocks of prompts it computes now: how many such prompts hold each.
+        self._expected: dict[str, dict[int, int]] = {}
 
     def source(self, node: str, rank: int) -> Source:
         key = (node, rank)
@@ -129,6 +137,27 @@ class PrefixIndex:
     def remove(self, node: str) -> None:
         for key in [k for k in self._sources if k[0] == node]:
             del self._sources[key]
+        self._expected.pop(node, None)
+
+    def expect(self, node: str, hashes: Sequence[int]) -> None:
+        """A prompt with these full blocks is being computed on `node` (until `unexpect`)."""
+        held = self._expected.setdefault(node, {})
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+
+    def unexpect(self, node: str, hashes: Sequence[int]) -> None:
+        """That prompt is done (or failed): its blocks are in the events, or not at all."""
+        held = self._expected.get(node)
+        if held is None:
+            return
+        for h in hashes:
+            n = held.get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
+        if not held:
+            del self._expected[node]
 
     def block_size(self, nodes: Iterable[str]) -> int | None:
         wanted = set(nodes)
@@ -137,16 +166,18 @@ class PrefixIndex:
                 return src.block_size
         return None
 
-    def cached_blocks(self, node: str, hashes: Sequence[int]) -> int:
+    def cached_blocks(self, node: str, hashes: Sequence[int], expected: bool = False) -> int:
         """Leading blocks of a prompt (its external hashes) that the node holds: the best
-        of its ranks (which rank serves the request is the engine's choice)."""
+        of its ranks (which rank serves the request is the engine's choice). `expected`:
+        count the blocks of prompts it computes now too."""
+        soon = self._expected.get(node, {}) if expected else {}
         best = 0
         for (url, _), src in self._sources.items():
             if url != node or not src.usable:
                 continue
             n = 0
             for h in hashes:
-                if h not in src.blocks:
+                if h not in src.blocks and h not in soon:
                     break
                 n += 1
             best = max(best, n)
@@ -165,7 +196,8 @@ class PrefixIndex:
             out.setdefault(url, {})[str(rank)] = {
                 "blocks": len(s.blocks), "block_size": s.block_size, "seq": s.seq,
                 "batches": s.batches, "verified": s.verified, "mismatched": s.mismatched,
-                "drops": s.drops, "usable": s.usable}
+                "drops": s.drops, "usable": s.usable,
+                "expected_blocks": len(self._expected.get(url, ()))}
         return out
 
 

@@ -94,3 +94,52 @@ def test_other_media_and_groups_are_left_out():
     src = idx.source("http://p", 0)
     idx.apply(src, 0, [_stored(PROMPT, medium="CPU"), _stored(PROMPT, group_idx=1)])
     assert not src.blocks
+
+
+def test_prompts_being_computed_count_as_cached_where_asked():
+    """A burst on one prefix: the second prompt comes before the first one's events. The
+    blocks of the prompts a node computes now count there for a lookup that asks for them,
+    once per prompt, until each is done; what the events say is unchanged."""
+    idx = PrefixIndex()
+    src = idx.source("http://p", 0)
+    idx.apply(src, 0, [_stored(PROMPT[:4])])  # one block known from the events
+    hashes = _ext(PROMPT)
+    idx.expect("http://p", hashes[:3])
+    idx.expect("http://p", hashes[:3])  # a second prompt with the same prefix
+    assert idx.cached_blocks("http://p", hashes) == 1
+    assert idx.cached_blocks("http://p", hashes, expected=True) == 3
+    assert idx.cached_blocks("http://d", hashes, expected=True) == 0  # another node
+    idx.unexpect("http://p", hashes[:3])
+    assert idx.cached_blocks("http://p", hashes, expected=True) == 3  # the other still runs
+    assert idx.describe()["http://p"]["0"]["expected_blocks"] == 3
+    idx.unexpect("http://p", hashes[:3])
+    assert idx.cached_blocks("http://p", hashes, expected=True) == 1
+    idx.unexpect("http://p", hashes[:3])  # once too often: nothing goes below zero
+    idx.expect("http://p", hashes[:2])
+    idx.remove("http://p")  # a node gone takes its expectations with it
+    idx.source("http://p", 0)
+    assert idx.cached_blocks("http://p", hashes, expected=True) == 0
+
+
+async def test_a_lookup_counts_what_a_node_computes_now_but_a_pull_does_not():
+    """The decision sees the blocks of a prompt in flight on P as cached there; which blocks
+    D lacks (what its pull brings, appliance.proxy.ownership) is still what its events say."""
+    from appliance.proxy.prefix import PrefixCache
+
+    cache = PrefixCache(None, {}, lambda: (), hashing.DEFAULT_SEED, 5.0, 1.0)  # type: ignore[arg-type]
+    for node in ("http://p", "http://d"):
+        cache.index.apply(cache.index.source(node, 0), 0, [_stored(PROMPT[:4])])
+    body = {"model": "m", "prompt": PROMPT}
+    first = await cache.lookup(body, "/v1/completions", len(PROMPT), "", ["http://p", "http://d"])
+    assert first is not None and first.cached == {"http://p": SIZE, "http://d": SIZE}
+    assert first.stored is None and first.lacking("http://d") == first.hashes
+    cache.expect("http://p", first)
+    second = await cache.lookup(body, "/v1/completions", len(PROMPT), "", ["http://p", "http://d"])
+    assert second is not None
+    assert second.cached == {"http://p": 4 * SIZE, "http://d": SIZE}  # all but the last token
+    assert second.stored == {"http://p": SIZE, "http://d": SIZE}
+    assert second.lacking("http://p") == second.hashes  # P's events have not said it yet
+    cache.unexpect("http://p", first)
+    third = await cache.lookup(body, "/v1/completions", len(PROMPT), "", ["http://p", "http://d"])
+    assert third is not None and third.cached == first.cached
+    await cache.stop()
