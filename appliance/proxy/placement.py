@@ -91,10 +91,10 @@ class Estimates:
     alone_stall_s: float | None = None
     # How long the proxy waits for P's answer (appliance.deadlines).
     prefill_deadline_s: float | None = None
-    # What serving it remote saves later, when P computes no more of it than D would (a
-    # prompt cold on both): P computes it and D keeps the KV it pulls, so both hold it,
-    # where local leaves P without it. That compute, times how often prompts are reused
-    # lately (0: a workload of cold prompts).
+    # What serving it remote saves later, for a prompt mostly cold on P and no warmer on
+    # D: P computes it and D keeps the KV it pulls, so both hold it, where local leaves P
+    # without it (KV moves only from P to D: P would compute it again). That compute,
+    # times how often prompts are reused lately (0: a workload of cold prompts).
     spread_s: float = 0.0
 
 
@@ -297,7 +297,8 @@ class Placement:
         budget = self.itl_budget_s()
         fit = budget is not None and self._p_prefills_fit(on_p, P_ALONE_FIT * budget)
         reuse = sum(self._reused) / len(self._reused) if self._reused else 0.0
-        spread = reuse * (self._compute(on_p) or 0.0) if on_p <= on_d else 0.0
+        cold = on_p <= on_d and 2 * on_p >= tokens
+        spread = reuse * (self._compute(on_p) or 0.0) if cold else 0.0
         return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit,
                          self._compute(on_d), self._compute(on_p), self.prefill_deadline_s,
                          spread)

@@ -118,6 +118,36 @@ async def test_predicted_hits_are_the_engines_hits(pd_node, auto):
                for n in (p, d) for r in index[n].values()), index
 
 
+async def test_a_burst_on_one_prefix_is_predicted(pd_node, auto):
+    """Requests sharing a new prefix, sent at once: each after the first is placed before
+    any event of the first came, yet the engine serves it from the blocks the first is
+    computing. The index counts those blocks where the first is computed, so what it
+    predicts is still what the engines hit, and the burst's later requests show it."""
+    url, log_path = auto
+    p, d = pd_node.spec.prefill_url, pd_node.spec.decode_url
+    await _settled(url, (p, d))
+    prefix = token_prompt(256, seed=5_150_001)
+    before = {n: (metric(n, HITS), _predicted(url, n)) for n in (p, d)}
+    seen = len(re.findall(r" cached=", log_text(log_path)))
+    async with aiohttp.ClientSession() as http:
+        answers = await asyncio.gather(*(
+            ask(http, url, {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                            "prompt": prefix + token_prompt(40, seed=5_150_010 + i)})
+            for i in range(4)))
+    assert all(status == 200 for status, _ in answers), answers
+    await _settled(url, (p, d))
+    got = {n: (metric(n, HITS) - before[n][0], _predicted(url, n) - before[n][1])
+           for n in (p, d)}
+    print("burst: engine hits vs predicted, per node:", got)
+    # Wherever each went (D alone, P alone, or split), some were served from the blocks of
+    # one placed before them.
+    assert sum(h for h, _ in got.values()) >= 256
+    for node, (hits, predicted) in got.items():
+        assert predicted == hits, (node, got)
+    cached = re.findall(r" cached=(\d+)/(\d+)/\d+", log_text(log_path))[seen:]
+    assert any(max(int(cp), int(cd)) >= 256 for cp, cd in cached), cached
+
+
 async def test_evictions_under_pressure_are_followed(pd_node, auto):
     """D's cache overflows (distinct prompts sent to D directly): the first prompt's blocks
     are evicted, and the index predicts no more of them than D then hits. D looks its cache

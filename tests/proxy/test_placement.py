@@ -85,7 +85,8 @@ def test_a_prompt_likely_reused_is_spread_to_both_nodes(local: float, remote: fl
 
 def test_spreading_follows_reuse_and_only_cold_prompts() -> None:
     """The slack is P's compute for the prompt times the share of recent prompts found half
-    cached somewhere; none for a prompt D holds more of than P (P would compute more)."""
+    cached somewhere; none for a prompt D holds more of than P (P would compute more), nor
+    for one both hold most of."""
     place = Placement("auto", itl_slo_ms=100)
     p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
     place.prefill.observe(100, 0.1)
@@ -96,6 +97,8 @@ def test_spreading_follows_reuse_and_only_cold_prompts() -> None:
         ticket.close(0.0, learn=False)
     assert place.estimates(500, p, d, 0.0).spread_s == pytest.approx(0.75 * 0.5)
     assert place.estimates(500, p, d, 0.0, cached_d=100).spread_s == 0.0
+    # Both hold most of it: its rest is what a reuse would not share.
+    assert place.estimates(500, p, d, 0.0, cached_p=300, cached_d=300).spread_s == 0.0
 
 
 def test_policies_ignore_estimates() -> None:
@@ -331,12 +334,11 @@ async def test_auto_sends_new_requests_to_d_while_p_is_frozen(make_cluster: Make
     c.decode[0].delay, c.decode[0].chunks, c.decode[0].chunk_delay = 0.1, 200, 0.02
     decoding = asyncio.create_task(_stream(c))  # local (0.1 s, as P), keeps D busy
     await c.decode[0].wait_requests(2)
-    c.decode[0].chunks, c.decode[0].chunk_delay = 4, 0.0
     c.prefill[0].hang = True  # P answers nothing now (its health checks still pass)
     stuck = asyncio.create_task(_stream(c))  # 0.1 s on D is past the budget: remote, stuck
     await c.prefill[0].wait_requests(2)
     await asyncio.sleep(0.5)
-    # The stuck prefill has waited 0.5 s: that outweighs stalling one decode.
+    # The stuck prefill has waited 0.5 s: that outweighs stalling D's decodes.
     status, _, took = await c.post(body={"model": "tiny", "prompt": "hello there",
                                                 "max_tokens": 4})
     assert status == 200 and took < 2
