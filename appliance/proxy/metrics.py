@@ -104,7 +104,7 @@ class _HotPath(Collector):
             "pd_proxy_split_decisions",
             "Where requests were prefilled (adaptive disaggregation), by decision (remote: "
             "P, then its KV to D; local: D alone; p_alone: P alone) and reason (policy, "
-            "unmeasured, itl_budget, backlog, sooner, spread, balance)",
+            "unmeasured, itl_budget, backlog, sooner, balance)",
             labels=["decision", "reason"])
         for (decision, reason), n in sorted(m.split_counts.items()):
             split.add_metric([decision, reason], n)

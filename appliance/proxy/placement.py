@@ -61,9 +61,6 @@ RECENT_PROMPTS = 16
 # last answer) computes in about two, and D decoded nearly every conversation (README).
 P_ALONE_FIT = 4.0
 P_ALONE_SHARE = 0.6
-# Whether prompts are reused: the share of the latest REUSE_PROMPTS lookups that found at
-# least half of the prompt cached on some node (shared prefixes, conversations).
-REUSE_PROMPTS = 32
 
 Where = Literal["remote", "local", "p_alone"]
 
@@ -91,11 +88,6 @@ class Estimates:
     alone_stall_s: float | None = None
     # How long the proxy waits for P's answer (appliance.deadlines).
     prefill_deadline_s: float | None = None
-    # What serving it remote saves later, for a prompt mostly cold on P and no warmer on
-    # D: P computes it and D keeps the KV it pulls, so both hold it, where local leaves P
-    # without it (KV moves only from P to D: P would compute it again). That compute,
-    # times how often prompts are reused lately (0: a workload of cold prompts).
-    spread_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +98,6 @@ class Decision:
     # backlog: it would, but P is so far behind that the request waits less on D (or P
     #     would not answer before the proxy's prefill deadline);
     # sooner: no decode to stall, the faster of the two;
-    # spread: local is sooner, but by less than what remote saves the prompt's reuses;
     # balance: P alone, as D decodes more requests than P and P's prefills are short.
     reason: str
     tokens: int = 0
@@ -155,9 +146,6 @@ def decide(split: Split, e: Estimates) -> Decision:
         if e.remote_s + p_stall - e.local_s > stall:
             return Decision("local", "backlog", e.tokens)
         return Decision("remote", "itl_budget", e.tokens)
-    if e.local_s <= e.remote_s < e.local_s + e.spread_s:
-        # A little later now, but both nodes hold the prompt for its reuses.
-        return Decision("remote", "spread", e.tokens)
     return Decision("local" if e.local_s <= e.remote_s else "remote", "sooner", e.tokens)
 
 
@@ -257,7 +245,6 @@ class Placement:
         # The latest prompts' computed tokens, on whichever node computed them: whether the
         # workload is one of long prefills (a conversation cached on D is not).
         self._prompts: deque[int] = deque(maxlen=RECENT_PROMPTS)
-        self._reused: deque[bool] = deque(maxlen=REUSE_PROMPTS)
 
     def tokens(self, body: dict[str, Any], route: str) -> tuple[int, int]:
         """(estimated prompt tokens, characters of prompt text)."""
@@ -296,12 +283,8 @@ class Placement:
         local = None if d_line is None else max(d_line, self._waited(d, now))
         budget = self.itl_budget_s()
         fit = budget is not None and self._p_prefills_fit(on_p, P_ALONE_FIT * budget)
-        reuse = sum(self._reused) / len(self._reused) if self._reused else 0.0
-        cold = on_p <= on_d and 2 * on_p >= tokens
-        spread = reuse * (self._compute(on_p) or 0.0) if cold else 0.0
         return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit,
-                         self._compute(on_d), self._compute(on_p), self.prefill_deadline_s,
-                         spread)
+                         self._compute(on_d), self._compute(on_p), self.prefill_deadline_s)
 
     def _compute(self, tokens: int) -> float | None:
         """The compute part of a prefill of `tokens` (see Estimates.local_stall_s)."""
@@ -326,8 +309,6 @@ class Placement:
         tokens = estimate if prefix is None else prefix.tokens
         cached_p = 0 if prefix is None else prefix.on(p.url)
         cached_d = 0 if prefix is None else prefix.on(d.url)
-        if prefix is not None:
-            self._reused.append(2 * max(prefix.cached.values(), default=0) >= tokens)
         now = time.monotonic()
         e = (self.estimates(tokens, p, d, now, cached_p, cached_d) if self.split == "auto"
              else Estimates(tokens, None, None, 0, None))

@@ -70,37 +70,6 @@ def test_a_p_that_would_not_answer_within_the_proxys_wait_is_not_asked() -> None
     assert decide("always", e).where == "remote"  # the policy asked for it
 
 
-@pytest.mark.parametrize("local,remote,spread,where,reason", [
-    (0.2, 0.3, 0.0, "local", "sooner"),     # prompts are not reused: the sooner
-    (0.2, 0.3, 0.15, "remote", "spread"),   # a reused prompt: both nodes will hold it
-    (0.2, 0.5, 0.15, "local", "sooner"),    # not at that price
-    (0.3, 0.2, 0.15, "remote", "sooner"),   # remote is the sooner anyway
-])
-def test_a_prompt_likely_reused_is_spread_to_both_nodes(local: float, remote: float,
-                                                        spread: float, where: str,
-                                                        reason: str) -> None:
-    d = decide("auto", replace(E(remote, local), spread_s=spread))
-    assert (d.where, d.reason) == (where, reason)
-
-
-def test_spreading_follows_reuse_and_only_cold_prompts() -> None:
-    """The slack is P's compute for the prompt times the share of recent prompts found half
-    cached somewhere; none for a prompt D holds more of than P (P would compute more), nor
-    for one both hold most of."""
-    place = Placement("auto", itl_slo_ms=100)
-    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
-    place.prefill.observe(100, 0.1)
-    assert place.estimates(500, p, d, 0.0).spread_s == 0.0  # nothing looked up yet
-    for i in range(4):  # 3 of 4 prompts half cached on some node
-        hit = Lookup(1000, {p.url: 0, d.url: 600 if i else 0})
-        _, ticket, _ = place.choose({"prompt": "x"}, "/v1/completions", p, d, hit)
-        ticket.close(0.0, learn=False)
-    assert place.estimates(500, p, d, 0.0).spread_s == pytest.approx(0.75 * 0.5)
-    assert place.estimates(500, p, d, 0.0, cached_d=100).spread_s == 0.0
-    # Both hold most of it: its rest is what a reuse would not share.
-    assert place.estimates(500, p, d, 0.0, cached_p=300, cached_d=300).spread_s == 0.0
-
-
 def test_policies_ignore_estimates() -> None:
     assert decide("always", E(9, 0.1)).where == "remote"
     assert decide("never", E(0.1, 9, running=8)).where == "local"
