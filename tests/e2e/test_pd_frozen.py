@@ -98,6 +98,7 @@ async def test_frozen_prefill_node_costs_decodes_that_have_their_kv_nothing(pd_n
         await asyncio.sleep(0.1)
     else:
         raise AssertionError("D did not receive the 8 prompts' KV")
+    await _d_events_after_now(s.proxy_url, s.decode_url)
     _freeze(pd_node.prefill)
     try:
         for _ in range(200):  # found down while they decode
@@ -119,3 +120,19 @@ async def test_frozen_prefill_node_costs_decodes_that_have_their_kv_nothing(pd_n
     assert metric(s.decode_url, COMPUTED) - computed <= 8 * 32  # at most a block each
     await in_rotation(pd_node, "prefill")
     await wait_no_blocks_held(pd_node, within=60)
+
+
+async def _d_events_after_now(proxy_url: str, d_url: str, within: float = 30) -> None:
+    """Wait until the proxy's index of D is usable and has taken two more of D's event
+    batches: D caches pulled KV at its next step, and only its events tell the proxy that
+    D holds it (an index of D forgotten by an earlier test must be re-synced first)."""
+    def d_rank() -> dict:
+        status = json.loads(urllib.request.urlopen(proxy_url + "/status").read())
+        return status["prefix"]["nodes"].get(d_url, {}).get("0", {})
+    start = d_rank().get("batches", 0)
+    for _ in range(int(within * 10)):
+        rank = d_rank()
+        if rank.get("usable") and rank.get("batches", 0) >= start + 2:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the proxy's index of D did not catch up: {d_rank()}")
