@@ -20,7 +20,7 @@ from appliance.proxy import first_token
 from appliance.proxy.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.errors import ProxyError, status_kind, upstream_error_body
 from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.ownership import Holder, PrefillKV, Pulls
+from appliance.proxy.ownership import PREFILL_DOWN, Holder, PrefillKV, Pulls
 from appliance.proxy.record import Record
 from appliance.proxy.relay import Relay, json_response
 from appliance.proxy.settings import ProxySettings
@@ -171,7 +171,8 @@ class Exchange:
         """P unreachable or timed out: D alone if allowed, else 503."""
         if rec.ticket is not None:  # P's leg is over: its prompt leaves P's queue
             rec.ticket.close(time.monotonic(), learn=False)
-        self.metrics.upstream_errors.labels("prefill", p.url, error.kind).inc()
+        if error.kind != "down":  # a down node's calls are counted once, together
+            self.metrics.upstream_errors.labels("prefill", p.url, error.kind).inc()
         if error.kind == "connect":
             self.backends.mark_failed(p, str(error))
             if rec.kv is not None:  # P never got it (a timed-out one may hold KV)
@@ -179,7 +180,8 @@ class Exchange:
         if not self.settings.fallback_to_decode:
             raise ProxyError(503, f"prefill node {p.url}: {error}")
         rec.error = f"prefill: {error}"
-        reason = "prefill_timeout" if error.kind == "timeout" else "prefill_unreachable"
+        reason = {"timeout": "prefill_timeout", "down": PREFILL_DOWN}.get(error.kind,
+                                                                         "prefill_unreachable")
         return await self.plain(request, rec, body, d, reason)
 
     def _prefill_refused(self, rec: Record, p: PrefillBackend, status: int,

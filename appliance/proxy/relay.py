@@ -50,6 +50,8 @@ class Relay:
         self.backends = backends
 
     def decode_error(self, d: Backend, exc: UpstreamError) -> ProxyError:
+        if exc.kind == "down":  # counted once for all its calls; why names the node
+            return ProxyError(502, str(exc))
         self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
         if exc.kind == "timeout":
             return ProxyError(504, f"{d.role} node {d.url} did not answer in "
@@ -107,7 +109,8 @@ class Relay:
                 if exc.kind == PREFILL_DOWN and retry is not None:
                     upstream.close()
                     return await self.relay(request, rec, d, await self._again(d, retry))
-                self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
+                if exc.kind != "down":  # a down node's calls are counted once, together
+                    self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
                 raise ProxyError(502, f"{d.role} node {d.url} failed mid-answer: {exc}") from None
             self._first_byte(rec, stream=False)
             rec.usage_prompt, rec.usage_output = answer_usage(raw)

@@ -27,7 +27,8 @@ _HEAD_LIMIT = 64 * 1024
 
 
 class UpstreamError(Exception):
-    """The call failed; `kind` is "connect", "timeout" or "failed"."""
+    """The call failed; `kind` is "connect", "timeout", "down" (its node failed its health
+    checks) or "failed"."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)

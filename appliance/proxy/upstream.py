@@ -208,7 +208,7 @@ class Upstreams:
         pool = self._pools.get(base_url)
         if pool is None:
             return 0
-        return self._fail([r for r in self.active if r._pool is pool], "timeout", why)
+        return self._fail([r for r in self.active if r._pool is pool], "down", why)
 
     def fail_all(self, why: str) -> int:
         """Fail every call in flight (the proxy is shutting down); returns how many."""

@@ -130,8 +130,11 @@ def http_get(url: str) -> str | None:
 
 def chart_values(tiny_model: Path) -> dict:
     # cpuRequest: a rollout's surge pod (the chart's default maxSurge 1) must fit 2 cores.
+    # preStopSleepS stays the chart's (5 s): the proxy must have dropped a deleted pod
+    # before vLLM's SIGTERM, and a loaded node's watch can take seconds (with 2 s a helm
+    # upgrade sent a request to a D whose engine had drained, and it hung until D exited).
     role = {"replicas": 1, "cpus": 1, "cpuRequest": "100m", "shmSize": "1Gi",
-            "terminationGracePeriodSeconds": 45, "preStopSleepS": 2}
+            "terminationGracePeriodSeconds": 45}
     # Two cores: P's and D's vLLM each get one (their requests fill the node), pinned to
     # a core of their own as on the container stack; the sidecar and proxy request none.
     # Eager, as the plain server that gives `expected` runs (an eager graph's greedy output

@@ -42,6 +42,25 @@ async def test_a_hung_decode_node_ends_its_requests_with_an_error_within_seconds
     status, answer, _ = await asyncio.wait_for(task, 10)
     assert time.monotonic() - started < 3
     assert status >= 500 or "error" in str(answer)  # an error status or an SSE error event
+    assert "is down" in str(answer) and "did not answer" not in str(answer)
+
+
+async def test_a_call_on_a_decode_node_found_down_says_so(make_cluster: MakeCluster) -> None:
+    """Not "did not answer in 300 s" after a few seconds: the node was found down."""
+    c = await make_cluster(**SLOW)
+    d = c.decode[0]
+    d.hang = True
+    task = asyncio.create_task(c.post())
+    await d.wait_requests(1)
+    d.healthy = False
+    status, answer, _ = await asyncio.wait_for(task, 10)
+    assert status == 502, answer
+    message = answer["error"]["message"]
+    assert message.startswith(f"decode node {d.url} is down"), message
+    metrics = await (await c.http.get(f"{c.url}/metrics")).text()
+    # Counted once for the node's calls, not again per call.
+    assert f'pd_proxy_upstream_errors_total{{backend="{d.url}",kind="down",role="decode"}} 1.0' \
+        in metrics
 
 
 async def test_one_failed_check_does_not_fail_what_the_node_holds(
