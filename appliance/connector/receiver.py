@@ -20,18 +20,18 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
-from appliance.bootstrap.client import BootstrapClient, BootstrapError
+from appliance.bootstrap.client import BootstrapError
 from appliance.connector import curve
 from appliance.connector import messages as m
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
 from appliance.connector.peers import Peer, Peers
 from appliance.connector.plan import PlanError, Region
+from appliance.connector.producers import Producers
 from appliance.connector.reports import Reports
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.spans import TransferSpans
 from appliance.connector.state import Transfer, TransferState
 from appliance.connector.stats import TransferStats
-from appliance.connector.tpplan import pulls_for, unpulled_ranks
 from appliance.connector.transfer import MooncakeTransport
 
 log = logging.getLogger("vllm.appliance.connector.receiver")
@@ -69,7 +69,6 @@ class Receiver:
         self.host = host
         self.regions = regions
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.total_heads = total_heads  # the model's KV heads; 0: MLA; None: unknown
         self.stats = stats
         self.layout_id = secrets.randbits(63)
         self.incoming: dict[str, Incoming] = {}
@@ -77,11 +76,7 @@ class Receiver:
         self._peers = Peers(self._ctx, self, stats, self._key, settings.peer_idle_s,
                             settings.max_peers)
         self._next_sweep = 0.0
-        self._clients: dict[str, BootstrapClient] = {}
-        # (bootstrap, engine) -> tp_rank -> side-channel address; one lookup at a time.
-        self._engines: dict[tuple[str, str], dict[int, str]] = {}
-        self._tp_sizes: dict[tuple[str, str], int] = {}
-        self._lookups: dict[tuple[str, str], asyncio.Future] = {}
+        self.producers = Producers(settings, tp_rank, tp_size, total_heads, self._peers.gone)
         self._reports = Reports()
         self.spans = TransferSpans("decode", settings.engine_id, tp_rank)
         self._tasks = [asyncio.create_task(self._deadline_loop())]
@@ -123,7 +118,8 @@ class Receiver:
         spec = inc.spec
         assert spec is not None
         try:
-            addrs = await self._resolve(spec.remote_bootstrap_addr, spec.remote_engine_id)
+            addrs = await self.producers.resolve(spec.remote_bootstrap_addr,
+                                                 spec.remote_engine_id)
         except (BootstrapError, PlanError) as exc:
             self._finish(inc, ok=False, error=str(exc))
             return
@@ -155,62 +151,6 @@ class Receiver:
             layout=m.layout_to_wire(self.regions) if include else None)
         peer.layout_sent = True
         await peer.send(m.encode_request(msg))
-
-    async def _resolve(self, bootstrap: str, engine_id: str, again: bool = True) -> list[str]:
-        """Side-channel addresses of the producer workers that hold our KV heads."""
-        key = (bootstrap, engine_id)
-        if not self._ranks_known(key):
-            # Unknown, or cached before this rank's producer worker registered (TP ranks
-            # register one by one): ask the sidecar again.
-            pending = self._lookups.get(key)
-            if pending is None:
-                pending = self._lookups[key] = asyncio.ensure_future(self._query(bootstrap))
-                pending.add_done_callback(lambda _f: self._lookups.pop(key, None))
-            await asyncio.shield(pending)
-        workers = self._engines.get(key)
-        if not workers:
-            raise BootstrapError(f"engine {engine_id!r} is not registered at {bootstrap}")
-        ranks = self._source_ranks(key)
-        missing = [r for r in ranks if r not in workers]
-        if missing:
-            raise BootstrapError(f"engine {engine_id!r} has no worker for tp rank "
-                                 f"{missing[0]} (it has {sorted(workers)})")
-        addrs = [workers[r] for r in ranks]
-        if again and any(self._peers.gone(a) for a in addrs):
-            # A dead worker's address, cached (or still registered) after its link dropped:
-            # a restarted P has registered anew by the time it is asked to prefill.
-            del self._engines[key]
-            return await self._resolve(bootstrap, engine_id, again=False)
-        return addrs
-
-    def _source_ranks(self, key: tuple[str, str]) -> list[int]:
-        """The producer's TP ranks holding our heads: ours alone when its TP equals ours."""
-        p_tp = self._tp_sizes.get(key) or self.tp_size
-        return [p.p_rank for p in pulls_for(self.tp_rank, self.tp_size, p_tp,
-                                            self.total_heads)]
-
-    def _ranks_known(self, key: tuple[str, str]) -> bool:
-        if key not in self._engines:
-            return False
-        try:
-            return all(r in self._engines[key] for r in self._source_ranks(key))
-        except PlanError:
-            return True  # _resolve raises it with the producer's answer in hand
-
-    async def _query(self, bootstrap: str) -> None:
-        client = self._clients.get(bootstrap)
-        if client is None:
-            client = self._clients[bootstrap] = BootstrapClient(
-                bootstrap, self.settings.bootstrap_token,
-                timeout=min(10.0, self.settings.recv_timeout_s))
-        answer = await client.query()
-        for view in answer.values():
-            key = (bootstrap, view.engine_id)
-            self._engines[key] = {
-                int(tp): pps["0"] for tp, pps in view.worker_addr.items() if "0" in pps}
-            # A sidecar that does not know the producer's TP size (vLLM's own) leaves it
-            # out: then it is assumed equal to ours, the reference's only case.
-            self._tp_sizes[key] = view.tp_size
 
     # --- replies (seeds step 34) ----------------------------------------------------------
 
@@ -247,7 +187,7 @@ class Receiver:
                   "on every host (pdctl init --rotate-keys rotates them all); its pulls are "
                   "computed here", peer.addr, why)
         self._peers.close(peer, f"refused: {why}")
-        self._forget_peer(peer.addr)
+        self.producers.forget(peer.addr)
         for inc in list(self.incoming.values()):
             if peer.addr in inc.waiting:
                 self._answered(inc, peer.addr, f"side channel to {peer.addr} refused: {why}")
@@ -259,7 +199,7 @@ class Receiver:
         costs that pull no wait; with no pull waiting on it the socket goes now (the sweep's
         rule). Pulls waiting on it end (vLLM's load-failure policy) once cancel_grace_s
         passed, not at their deadline."""
-        self._forget_peer(peer.addr)
+        self.producers.forget(peer.addr)
         busy = self._busy_peers()
         if peer.addr in busy:
             log.warning("side channel to %s lost with pulls waiting on it", peer.addr)
@@ -321,11 +261,12 @@ class Receiver:
                 addr, m.CancelEntry(inc.d_req_id, inc.transfer_id)))
             # A producer given up on may be restarting at another address (same engine id):
             # the next pull asks the sidecar again rather than trusting this one.
-            self._forget_peer(addr)
+            self.producers.forget(addr)
 
     async def _release(self, spec: ReleaseSpec) -> None:
         try:
-            addrs = await self._resolve(spec.remote_bootstrap_addr, spec.remote_engine_id)
+            addrs = await self.producers.resolve(spec.remote_bootstrap_addr,
+                                                 spec.remote_engine_id)
         except (BootstrapError, PlanError) as exc:
             log.info("release of %s not delivered: %s", spec.transfer_id, exc)
             return
@@ -338,18 +279,11 @@ class Receiver:
         """Decode rank 0 tells the prefill ranks no decode rank pulls from (P's TP larger
         than ours) that nobody will: each frees the prompt's blocks now, not at
         send_timeout_s (vLLM frees them only once every prefill worker reported)."""
-        key = (bootstrap, engine_id)
-        workers = self._engines.get(key, {})
-        if self.tp_rank != 0 or not workers:
+        if self.tp_rank != 0:
             return
-        try:
-            ranks = unpulled_ranks(self._tp_sizes.get(key) or self.tp_size, self.tp_size,
-                                   self.total_heads)
-        except PlanError:
-            return
-        for r in ranks:
-            if r in workers:
-                await self._send_cancel(workers[r], m.CancelEntry.release(transfer_id))
+        for r, addr in self.producers.unpulled(bootstrap, engine_id):
+            if addr is not None:
+                await self._send_cancel(addr, m.CancelEntry.release(transfer_id))
             else:
                 log.warning("transfer=%s: prefill tp rank %d is not registered; it holds the "
                             "prompt until send_timeout_s", transfer_id, r)
@@ -378,11 +312,6 @@ class Receiver:
                         self._finish(inc, ok=False, error=why)
                     else:
                         self._give_up(inc, why)
-
-    def _forget_peer(self, addr: str) -> None:
-        for key, workers in list(self._engines.items()):
-            if addr in workers.values():
-                del self._engines[key]
 
     def _finish(self, inc: Incoming, ok: bool, error: str | None = None) -> None:
         if self.incoming.pop(inc.d_req_id, None) is None:
@@ -415,5 +344,4 @@ class Receiver:
         for task in self._tasks:
             task.cancel()
         self._peers.close_all()
-        for client in self._clients.values():
-            await client.close()
+        await self.producers.close()

@@ -121,7 +121,7 @@ async def test_a_sidecar_still_naming_a_dead_worker_is_asked_again(bootstrap_url
         else:
             raise AssertionError("the dropped link was not noticed")
         # P is down: the sidecar still names the dead worker, and D caches it again.
-        assert await pair.receiver._resolve(bootstrap_url, "p0") == [old.side_channel_addr]
+        assert await pair.receiver.producers.resolve(bootstrap_url, "p0") == [old.side_channel_addr]
         pair.sender = Sender(pair.p_settings, pair.p.transport, pair.p.regions, "127.0.0.1",
                              0, 1, 0, pair.p.stats)
         addr = await pair.sender.start()
