@@ -41,7 +41,7 @@ class Lookup:
     hashes: tuple[int, ...] = ()
     block_size: int = 0
     # Per node URL, the cached tokens its events alone show (`cached` adds the blocks of
-    # prompts it computes now); None: the same as `cached`.
+    # prompts it computes now); None: the same as `cached` (a lookup made by hand).
     stored: dict[str, int] | None = None
 
     def on(self, url: str) -> int:
@@ -98,12 +98,10 @@ class PrefixCache:
         """The lookup's counts as the index has them now: a request placed while this one
         waited (its tokenize, admission) may compute the same prefix (`expect`)."""
         size, hashes = lookup.block_size, lookup.hashes
-        cached = {url: self.index.cached_blocks(url, hashes, expected=True) * size
-                  for url in nodes}
-        stored = {url: self.index.cached_blocks(url, hashes) * size for url in nodes}
-        return replace(lookup, cached=cached,
+        counts = {url: self.index.cached_and_expected(url, hashes) for url in nodes}
+        return replace(lookup, cached={url: c[1] * size for url, c in counts.items()},
                        held={url: self.index.blocks_held(url) for url in nodes},
-                       stored=None if stored == cached else stored)
+                       stored={url: c[0] * size for url, c in counts.items()})
 
     def expect(self, url: str, lookup: Lookup) -> None:
         """`url` computes this prompt now: until `unexpect`, a lookup counts its blocks as

@@ -183,6 +183,25 @@ class PrefixIndex:
             best = max(best, n)
         return best
 
+    def cached_and_expected(self, node: str, hashes: Sequence[int]) -> tuple[int, int]:
+        """(cached_blocks(node, hashes), the same with expected=True) in one pass."""
+        soon = self._expected.get(node, {})
+        best_stored = best = 0
+        for (url, _), src in self._sources.items():
+            if url != node or not src.usable:
+                continue
+            stored = n = 0
+            for h in hashes:
+                if h in src.blocks:
+                    n += 1
+                    stored += stored == n - 1  # still the leading run of stored blocks
+                elif h in soon:
+                    n += 1
+                else:
+                    break
+            best_stored, best = max(best_stored, stored), max(best, n)
+        return best_stored, best
+
     def blocks_held(self, node: str) -> int:
         return sum(len(s.blocks) for (url, _), s in self._sources.items()
                    if url == node and s.usable)

@@ -132,7 +132,7 @@ async def test_a_lookup_counts_what_a_node_computes_now_but_a_pull_does_not():
     body = {"model": "m", "prompt": PROMPT}
     first = await cache.lookup(body, "/v1/completions", len(PROMPT), "", ["http://p", "http://d"])
     assert first is not None and first.cached == {"http://p": SIZE, "http://d": SIZE}
-    assert first.stored is None and first.lacking("http://d") == first.hashes
+    assert first.stored == first.cached and first.lacking("http://d") == first.hashes
     cache.expect("http://p", first)
     second = await cache.lookup(body, "/v1/completions", len(PROMPT), "", ["http://p", "http://d"])
     assert second is not None
@@ -143,3 +143,17 @@ async def test_a_lookup_counts_what_a_node_computes_now_but_a_pull_does_not():
     third = await cache.lookup(body, "/v1/completions", len(PROMPT), "", ["http://p", "http://d"])
     assert third is not None and third.cached == first.cached
     await cache.stop()
+
+
+def test_cached_and_expected_in_one_pass():
+    """Events hold the first block, a prompt in flight the next two: 1 stored, 3 with it;
+    a block stored after a gap in the run counts for neither."""
+    idx = PrefixIndex(hashing.DEFAULT_SEED)
+    src = idx.source("http://d", 0)
+    hashes = [hashing.external(h) for h in hashing.chain(PROMPT, SIZE, hashing.DEFAULT_SEED)]
+    idx.apply(src, 0, [_stored(PROMPT[:4])])
+    idx.expect("http://d", hashes[1:3])
+    assert idx.cached_and_expected("http://d", hashes) == (1, 3)
+    assert idx.cached_and_expected("http://d", hashes) == (
+        idx.cached_blocks("http://d", hashes), idx.cached_blocks("http://d", hashes, True))
+    assert idx.cached_and_expected("http://p", hashes) == (0, 0)
