@@ -4,7 +4,7 @@ server given the same two cores, in one run: request throughput, TTFT, TPOT and 
 and p99, and where `auto` placed the requests.
 
     .venv/bin/python bench/serve.py [--workloads tiny,mixed,prefix,chat] [--rounds 2] [--quick]
-        [--no-warmup]
+        [--no-warmup] [--one-core] [--access-log]
 
 Workloads (vLLM's datasets, the model's own tokenizer):
 - tiny: the tiny model, short prompts (64-192 tokens) and outputs, a closed loop of 8
@@ -24,7 +24,11 @@ idle server's workers stop polling a second after their last step, so the turns 
 overlap. Before the first round each setup serves a quarter of the workload on prompts of
 its own (not counted): a node in service has measured itself long before, and a run this
 short would otherwise weigh auto's first, unmeasured decisions as a fifth of its requests.
-Ratios are setup / plain, and auto / always.
+Ratios are setup / plain, and auto / always. With --one-core, a plain server on one CPU
+takes its turns too, given half the clients (concurrency, arrival rate, conversations):
+twice its rate over the plain server's is what P and D (one CPU each) could reach at best
+on this machine, each request whole on one engine, the two perfectly balanced, nothing
+computed twice, no transfer.
 """
 
 from __future__ import annotations
@@ -81,22 +85,38 @@ WORKLOADS = {
                                          "turn prompt tokens, 32 out",)),
 }
 SETUPS = ("always", "auto")
+ONE_CORE = "plain-1cpu"
 
 
-def plain_setup(model: Path, log_dir: Path) -> Setup:
+def plain_setup(model: Path, log_dir: Path, name: str = "plain",
+                cpus: tuple[int, ...] = (0, 1)) -> Setup:
     port = free_port()
-    return Setup("plain", [serve("plain", model, port, (0, 1), log_dir)],
+    return Setup(name, [serve(name, model, port, cpus, log_dir)],
                  plain_url=f"http://127.0.0.1:{port}")
 
 
+def halved(args: list[str]) -> list[str]:
+    """`vllm bench serve` arguments with half the concurrency and arrival rate."""
+    out = list(args)
+    for flag in ("--max-concurrency", "--request-rate"):
+        if flag in out:
+            i = out.index(flag) + 1
+            out[i] = f"{float(out[i]) / 2:g}" if "." in out[i] else str(max(1, int(out[i]) // 2))
+    return out
+
+
 def bench_serve(url: str, model: Path, work: Workload, seed: int, out: Path,
-                quick: bool) -> dict:
+                quick: bool, half: bool = False) -> dict:
+    """`half`: half the clients (conversations, concurrency, arrival rate): one engine's
+    share of the workload when two serve it."""
     if work.name == "chat":
-        return multiturn.run(url, SERVED, seed, quick=quick)
+        return multiturn.run(url, SERVED, seed, conversations=4 if half else 8, quick=quick)
     args = list(work.args)
     if quick:  # a smoke run: a quarter of the prompts
         i = args.index("--num-prompts")
         args[i + 1] = str(max(4, int(args[i + 1]) // 4))
+    if half:
+        args = halved(args)
     cmd = [sys.executable, "-m", "appliance.launcher", "bench", "serve", "--backend", "vllm",
            "--base-url", url, "--model", SERVED, "--tokenizer", str(model),
            *args, "--ignore-eos", "--seed", str(seed),
@@ -179,6 +199,9 @@ def main() -> None:
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="measure from the first request (auto still unmeasured)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-serve"))
+    parser.add_argument("--one-core", action="store_true",
+                        help="also a plain server on one CPU given half the clients: twice its "
+                             "rate is what P and D (one CPU each) could serve at best")
     parser.add_argument("--access-log", action="store_true",
                         help="the proxies' access lines (each request's placement) in their "
                              "logs under --log-dir")
@@ -191,7 +214,9 @@ def main() -> None:
         model = tinymodel.build(ROOT / ".cache" / "models" / work.model, work.model)
         setups = [*(appliance_setup(model, args.log_dir, split, split, args.access_log)
                     for split in SETUPS),
-                  plain_setup(model, args.log_dir)]
+                  plain_setup(model, args.log_dir),
+                  *([plain_setup(model, args.log_dir, ONE_CORE, (0,))] if args.one_core
+                    else [])]
         results: dict[str, list[dict]] = {s.name: [] for s in setups}
         placed = {"remote": 0.0, "local": 0.0, "p_alone": 0.0}
         started: list[Setup] = []
@@ -206,7 +231,8 @@ def main() -> None:
                 time.sleep(SETTLE_S)
                 console.log(f"{name}: warm-up, {setup.name}")
                 bench_serve(setup.proxy_url or setup.plain_url or "", model, work, 999,
-                            args.log_dir / f"{name}-{setup.name}-warmup.json", True)
+                            args.log_dir / f"{name}-{setup.name}-warmup.json", True,
+                            setup.name == ONE_CORE)
             before, before_why = decisions(auto.proxy_url)
             for rnd in range(args.rounds):
                 for setup in setups if rnd % 2 == 0 else reversed(setups):
@@ -216,7 +242,8 @@ def main() -> None:
                     out = args.log_dir / f"{name}-{setup.name}-{rnd}.json"
                     console.log(f"{name}: round {rnd + 1}, {setup.name}")
                     results[setup.name].append(
-                        bench_serve(url, model, work, 1000 + rnd, out, args.quick))
+                        bench_serve(url, model, work, 1000 + rnd, out, args.quick,
+                                    setup.name == ONE_CORE))
             placed, why = decisions(auto.proxy_url)
             placed = {k: v - before.get(k, 0.0) for k, v in placed.items()}
             why = {k: v - before_why.get(k, 0.0) for k, v in why.items()}
@@ -241,11 +268,16 @@ def main() -> None:
         for setup in SETUPS:
             table.add_column(f"{setup} / plain", justify="right")
         table.add_column("auto / always", justify="right")
+        if ONE_CORE in rows:
+            table.add_column(f"2 x {ONE_CORE} / plain", justify="right")
         for key in rows["plain"]:
             p = rows["plain"][key]
             cells = [f"{rows[s][key]:.2f}" for s in rows]
             cells += [_ratio(rows[s][key], p) for s in SETUPS]
             cells.append(_ratio(rows["auto"][key], rows["always"][key]))
+            if ONE_CORE in rows:  # a rate doubles over two engines; latencies do not
+                cells.append(_ratio(2 * rows[ONE_CORE][key], p)
+                             if key == "request_throughput" else "")
             table.add_row(key, *cells)
         Console().print(table)
 
