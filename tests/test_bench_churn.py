@@ -5,20 +5,15 @@ window's failures, mismatches, added latency and tokens prefilled twice, P's KV 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_churn", ROOT / "bench" / "churn.py")
-assert _spec is not None and _spec.loader is not None
-churn = importlib.util.module_from_spec(_spec)
-sys.modules["bench_churn"] = churn
-_spec.loader.exec_module(churn)
+from tests.benchmod import load
+
+churn = load("churn")
 
 
 def test_counter_follows_a_restart() -> None:

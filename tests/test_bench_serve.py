@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from tests.benchmod import load
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))  # its sibling modules, as when run as a script
-_spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
-assert _spec is not None and _spec.loader is not None
-serve = importlib.util.module_from_spec(_spec)
-sys.modules["bench_serve"] = serve
-_spec.loader.exec_module(serve)
+serve = load("serve")
 
 
 def test_half_the_load_halves_concurrency_and_arrival_rate_only() -> None:
