@@ -28,7 +28,8 @@ Ratios are setup / plain, and auto / always. With --one-core, a plain server on 
 takes its turns too, given half the clients (concurrency, arrival rate, conversations):
 twice its rate over the plain server's is what P and D (one CPU each) could reach at best
 on this machine, each request whole on one engine, the two perfectly balanced, nothing
-computed twice, no transfer.
+computed twice, no transfer (an upper bound: meanwhile the client has the other CPU to
+itself).
 """
 
 from __future__ import annotations
