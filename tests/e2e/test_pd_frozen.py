@@ -88,6 +88,11 @@ async def test_frozen_prefill_node_costs_decodes_that_have_their_kv_nothing(pd_n
     expected = await asyncio.gather(*(plain_request(plain_server, "/v1/completions", b)
                                       for b in bodies))
     s = pd_node.spec
+    # The proxy predicts nothing (so lands nothing on D) while no node holds a block: on a
+    # node of its own (this test alone) one request first fills the index.
+    await plain_request(s.proxy_url, "/v1/completions", {
+        "model": "tiny", "prompt": token_prompt(96, seed=899), "max_tokens": 1})
+    await _d_events_after_now(s.proxy_url, s.decode_url, batches=0)
     fallbacks = metric(s.proxy_url, PREFILL_DOWN)
     received = metric(s.decode_url, "vllm:pd_kv_received_total")
     computed = metric(s.decode_url, COMPUTED)
@@ -124,17 +129,19 @@ async def test_frozen_prefill_node_costs_decodes_that_have_their_kv_nothing(pd_n
     await wait_no_blocks_held(pd_node, within=60)
 
 
-async def _d_events_after_now(proxy_url: str, d_url: str, within: float = 30) -> None:
-    """Wait until the proxy's index of D is usable and has taken two more of D's event
-    batches: D caches pulled KV at its next step, and only its events tell the proxy that
-    D holds it (an index of D forgotten by an earlier test must be re-synced first)."""
+async def _d_events_after_now(proxy_url: str, d_url: str, batches: int = 2,
+                              within: float = 30) -> None:
+    """Wait until the proxy's index of D is usable, holds blocks, and has taken `batches`
+    more of D's event batches (an idle D sends none): D caches pulled KV at its next step,
+    and only its events tell the proxy that D holds it (an index of D forgotten by an
+    earlier test must be re-synced first)."""
     def d_rank() -> dict:
         status = json.loads(urllib.request.urlopen(proxy_url + "/status").read())
         return status["prefix"]["nodes"].get(d_url, {}).get("0", {})
     start = d_rank().get("batches", 0)
     for _ in range(int(within * 10)):
         rank = d_rank()
-        if rank.get("usable") and rank.get("batches", 0) >= start + 2:
+        if rank.get("usable") and rank.get("batches", 0) >= start + batches and rank.get("blocks"):
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"the proxy's index of D did not catch up: {d_rank()}")
