@@ -170,21 +170,10 @@ class PrefixIndex:
         """Leading blocks of a prompt (its external hashes) that the node holds: the best
         of its ranks (which rank serves the request is the engine's choice). `expected`:
         count the blocks of prompts it computes now too."""
-        soon = self._expected.get(node, {}) if expected else {}
-        best = 0
-        for (url, _), src in self._sources.items():
-            if url != node or not src.usable:
-                continue
-            n = 0
-            for h in hashes:
-                if h not in src.blocks and h not in soon:
-                    break
-                n += 1
-            best = max(best, n)
-        return best
+        return self.cached_and_expected(node, hashes)[1 if expected else 0]
 
     def cached_and_expected(self, node: str, hashes: Sequence[int]) -> tuple[int, int]:
-        """(cached_blocks(node, hashes), the same with expected=True) in one pass."""
+        """(cached_blocks(node, hashes), the same with expected=True), in one pass."""
         soon = self._expected.get(node, {})
         best_stored = best = 0
         for (url, _), src in self._sources.items():
