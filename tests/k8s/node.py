@@ -140,14 +140,30 @@ class Node:
         want = engine.docker("image", "inspect", "-f", "{{.Id}}", image).stdout.strip()
         if want and self.image_id(f"docker.io/{image}") == want:
             return False
+        why = self._import(engine, image)
+        if why:
+            # A run killed mid-import can leave the cached store inconsistent ("parent
+            # snapshot ... does not exist"): drop our images, let containerd collect what
+            # they held, and import once more.
+            for ref in self.ctr("images", "ls", "-q").stdout.split():
+                if ref != PAUSE_IMAGE:
+                    self.ctr("images", "rm", "--sync", ref)
+            why = self._import(engine, image)
+        if why:
+            _broken_file(self.store).touch()  # the next node starts from an empty store
+            raise RuntimeError(f"loading {image}: {why}")
+        return True
+
+    def _import(self, engine: DockerEngine, image: str) -> str:
+        """`docker save | ctr images import`; what went wrong, or "" ."""
         save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE,
                                 env=engine.env)
         assert save.stdout is not None
         res = self.ctr("images", "import", "-", stdin=save.stdout.fileno(), timeout=1200)
         save.stdout.close()
         if save.wait(60) != 0 or res.returncode != 0:
-            raise RuntimeError(f"loading {image}: {res.stderr.strip()[-500:]}")
-        return True
+            return res.stderr.strip()[-500:] or f"docker save exited {save.returncode}"
+        return ""
 
     def keep_only(self, refs: list[str]) -> None:
         """Drop every other image (and its ID reference), so the cache does not grow."""
@@ -178,6 +194,10 @@ class Node:
         for path in sorted((self.work / "log/pods").glob(f"{namespace}_{pod}_*/{container}/*")):
             out.append(path.read_text(errors="replace"))
         return "".join(out)
+
+
+def _broken_file(store: Path) -> Path:
+    return store.with_name(store.name + ".broken")
 
 
 def _traces_file(store: Path) -> Path:
@@ -316,6 +336,10 @@ def real_node(cp: ControlPlane, work: Path, timeout: float = 120) -> Iterator[No
     store.mkdir(parents=True, exist_ok=True)
     if _traces_file(store).exists():  # a killed run's node
         _clear(Traces(**json.loads(_traces_file(store).read_text())))
+    if _broken_file(store).exists():  # an import failed even on a cleaned store
+        shutil.rmtree(store)
+        store.mkdir()
+        _broken_file(store).unlink()
     tag = secrets.token_hex(4)
     run = Path(tempfile.mkdtemp(prefix="pdn-"))
     node = Node(work, run, store,
