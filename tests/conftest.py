@@ -6,6 +6,7 @@ import itertools
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,6 +88,11 @@ def running_plain_server(model: Path, served_name: str, log_dir: Path,
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.stop()
+    # vLLM's IPC sockets went in the launcher's folder, removed when the server stopped.
+    assert proc.proc is not None
+    from appliance.launcher import RPC_DIR_PREFIX
+    left = list(Path(tempfile.gettempdir()).glob(f"{RPC_DIR_PREFIX}{proc.proc.pid}-*"))
+    assert not left, f"the stopped server left {left}"
 
 
 @pytest.fixture(scope="session")
