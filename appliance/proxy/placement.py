@@ -104,6 +104,8 @@ class Decision:
     # The prompt's tokens P's and D's caches hold (the prefix index; 0: not predicted).
     cached_p: int = 0
     cached_d: int = 0
+    # What `auto` weighed (None for the fixed policies): the access line shows it.
+    estimates: Estimates | None = None
 
     @property
     def local(self) -> bool:
@@ -312,7 +314,8 @@ class Placement:
         now = time.monotonic()
         e = (self.estimates(tokens, p, d, now, cached_p, cached_d) if self.split == "auto"
              else Estimates(tokens, None, None, 0, None))
-        decision = replace(decide(self.split, e), cached_p=cached_p, cached_d=cached_d)
+        decision = replace(decide(self.split, e), cached_p=cached_p, cached_d=cached_d,
+                           estimates=e if self.split == "auto" else None)
         key = (decision.where, decision.reason)
         self.counts[key] = self.counts.get(key, 0) + 1
         self._recent.add(decision.where, now)

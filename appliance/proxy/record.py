@@ -116,12 +116,12 @@ class Record:
     def log(self) -> None:
         total = time.monotonic() - self.started
         access_log.info(
-            "%s %s xfer=%s p=%s d=%s status=%d split=%s cached=%s prefill_ms=%s "
+            "%s %s xfer=%s p=%s d=%s status=%d split=%s cached=%s%s prefill_ms=%s "
             "ttfb_ms=%s total_ms=%.1f%s%s",
             self.route, self.request_id, self.transfer_id, self.prefill, self.decode,
             self.status, "-" if self.placed is None
             else f"{self.placed.where}:{self.placed.reason}",
-            self._cached(),
+            self._cached(), self._weighed(),
             _ms(self.prefill_s), _ms(self.ttfb_s), total * 1000,
             f" fallback={self.fallback}" if self.fallback else "",
             f" error={self.error!r}" if self.error else "")
@@ -136,5 +136,16 @@ class Record:
         return out
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+    def _weighed(self) -> str:
+        """What `auto` weighed: each placement's first token, the ITL budget, and the
+        decodes running on P and D (ms; "-" where not measured yet)."""
+        e = None if self.placed is None else self.placed.estimates
+        if e is None:
+            return ""
+        return (f" est_ms=remote:{_ms(e.remote_s, 0)},local:{_ms(e.local_s, 0)},"
+                f"p_alone:{_ms(e.alone_s, 0)} budget_ms={_ms(e.itl_budget_s, 0)} "
+                f"decodes={e.p_decodes}/{e.decodes_running}")
+
+
+def _ms(seconds: float | None, digits: int = 1) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.{digits}f}"

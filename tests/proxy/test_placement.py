@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import replace
 
 import pytest
@@ -251,6 +252,7 @@ async def test_never_serves_by_d_alone_and_p_holds_nothing(make_cluster: MakeClu
     (got,) = c.decode[0].bodies()
     assert "kv_transfer_params" not in got
     assert "split=local:policy" in caplog.text and "fallback" not in caplog.text
+    assert "est_ms" not in caplog.text  # a fixed policy weighs nothing
     metrics = await c.metrics()
     assert 'pd_proxy_split_decisions_total{decision="local",reason="policy"} 1.0' in metrics
     assert "pd_proxy_prefill_fallbacks_total" not in metrics.split("# TYPE pd_proxy_prefill_"
@@ -334,6 +336,10 @@ async def test_auto_serves_whole_requests_on_p_while_d_decodes_more(
     assert "kv_transfer_params" not in got and got["max_tokens"] == 8
     assert len(c.decode[0].received) == 2 and c.released() == []
     assert "split=p_alone:balance" in caplog.text
+    # What auto weighed is on the line: each placement's first token, the budget (500 ms),
+    # the decodes running on P and D.
+    assert re.search(r" est_ms=remote:\d+,local:\d+,p_alone:\d+ budget_ms=500 decodes=0/1 ",
+                     caplog.text)
     metrics = await c.metrics()
     assert 'pd_proxy_split_decisions_total{decision="p_alone",reason="balance"} 1.0' in metrics
     status_body = await c.status()
