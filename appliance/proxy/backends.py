@@ -34,6 +34,9 @@ class Backend:
     prefill_tokens: int = 0
     # Requests this node decodes now (placed on it, P's KV sent to it, or served whole).
     decodes: int = 0
+    # Of those, the ones whose prompt is not computed yet (in P's queue or this node's):
+    # a prefill run now stalls no step of theirs (appliance.proxy.placement.Ticket).
+    prefilling: int = 0
     # Round-robin tie breaker for least-outstanding: how many requests this node was given.
     picked: int = 0
     # A decode node's context length (from /v1/models; None until known): a continuation
@@ -55,6 +58,11 @@ class Backend:
         return self.healthy and not self.draining and not self.leaving
 
     @property
+    def decoding(self) -> int:
+        """Requests whose decode steps a prefill run here now would stall."""
+        return max(0, self.decodes - self.prefilling)
+
+    @property
     def held(self) -> int:
         """Requests in flight that need this node (a leaving one is dropped at 0)."""
         return self.in_flight
@@ -70,6 +78,7 @@ class Backend:
             "in_flight": self.in_flight,
             "prefill_tokens": self.prefill_tokens,
             "decodes": self.decodes,
+            "prefilling": self.prefilling,
             "last_error": self.last_error,
             "last_check_age_s": None if self.last_check is None
             else round(now - self.last_check, 3),
@@ -93,6 +102,11 @@ class PrefillBackend(Backend):
     def in_rotation(self) -> bool:
         # Without an engine id D could not find P's workers: not ready (seeds step 6).
         return super().in_rotation and bool(self.engine_ids)
+
+    @property
+    def decoding(self) -> int:
+        """Requests whose decode steps a prefill run here now would stall."""
+        return max(0, self.decodes - self.prefilling)
 
     @property
     def held(self) -> int:

@@ -72,11 +72,13 @@ class Estimates:
     tokens: int
     remote_s: float | None
     local_s: float | None
-    # Other requests running on D: a local prefill stalls each one's decode step.
+    # Requests decoding on D: a local prefill stalls each one's decode steps (those still
+    # waiting for their prompt's KV are not stalled: their wait is in the estimates).
     decodes_running: int
     itl_budget_s: float | None
-    # P alone: its first token (P's prefill, no handoff), the whole requests P decodes now,
-    # and whether the prefill of every recent prompt fits the ITL budget.
+    # P alone: its first token (P's prefill, no handoff), the whole requests decoding on P
+    # (stalled by its prefills), and whether the prefill of every recent prompt fits the
+    # ITL budget.
     alone_s: float | None = None
     p_decodes: int = 0
     p_prefills_fit: bool = False
@@ -88,6 +90,10 @@ class Estimates:
     alone_stall_s: float | None = None
     # How long the proxy waits for P's answer (appliance.deadlines).
     prefill_deadline_s: float | None = None
+    # The requests placed on each node and not done, decoding or about to: what P alone
+    # balances (None: the decoding counts above).
+    p_placed: int | None = None
+    d_placed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +141,9 @@ def decide(split: Split, e: Estimates) -> Decision:
         # anyway, after that wait, and P's work (if it started) thrown away.
         return Decision("local", "backlog", e.tokens)
     budget = e.itl_budget_s or 0.0
-    if (e.alone_s is not None and e.p_prefills_fit and e.p_decodes < e.decodes_running
+    p_placed = e.p_decodes if e.p_placed is None else e.p_placed
+    d_placed = e.decodes_running if e.d_placed is None else e.d_placed
+    if (e.alone_s is not None and e.p_prefills_fit and p_placed < d_placed
             and e.alone_s <= max(budget, e.local_s)):
         # D's decodes outnumber P's: P takes this one whole, no later than D would start it.
         return Decision("p_alone", "balance", e.tokens)
@@ -192,6 +200,10 @@ class Ticket:
     sent: float
     # The node's prefills not done, oldest first (shared by its tickets).
     queue: dict[Ticket, None]
+    # The node that decodes the request, when the close marks its prompt computed (P's
+    # answer; a stream's first token): counted in its `prefilling` until then. A whole
+    # local answer's ticket closes only at its end, so it counts as decoding throughout.
+    serving: Backend | None = None
     open: bool = True
 
     def close(self, now: float, learn: bool, tokens: int | None = None) -> None:
@@ -200,6 +212,8 @@ class Ticket:
         self.open = False
         self.queue.pop(self, None)
         self.backend.prefill_tokens -= self.tokens
+        if self.serving is not None:
+            self.serving.prefilling -= 1
         if learn:
             n = self.tokens if tokens is None else max(1, tokens - self.cached)
             self.model.observe(self.ahead + n, now - self.sent)
@@ -284,20 +298,24 @@ class Placement:
         d_line = self.prefill.predict(d.prefill_tokens + on_d)
         local = None if d_line is None else max(d_line, self._waited(d, now))
         budget = self.itl_budget_s()
-        fit = budget is not None and self._p_prefills_fit(on_p, P_ALONE_FIT * budget)
-        return Estimates(tokens, remote, local, d.decodes, budget, alone, p.decodes, fit,
-                         self._compute(on_d), self._compute(on_p), self.prefill_deadline_s)
+        fit = budget is not None and self._p_prefills_fit(on_p, P_ALONE_FIT * budget,
+                                                          p.decoding == 0)
+        return Estimates(tokens, remote, local, d.decoding, budget, alone, p.decoding, fit,
+                         self._compute(on_d), self._compute(on_p), self.prefill_deadline_s,
+                         p.decodes, d.decodes)
 
     def _compute(self, tokens: int) -> float | None:
         """The compute part of a prefill of `tokens` (see Estimates.local_stall_s)."""
         c = self.prefill.coefficients()
         return None if c is None else c[1] * tokens
 
-    def _p_prefills_fit(self, on_p: int, limit_s: float) -> bool:
+    def _p_prefills_fit(self, on_p: int, limit_s: float, p_idle: bool = False) -> bool:
         """This prompt's prefill compute, and that of P_ALONE_SHARE of the latest, within
-        `limit_s`: what P's whole requests would wait for, step by step."""
+        `limit_s`: what P's whole requests would wait for, step by step. `p_idle`: nothing
+        decodes on P, so this prompt's prefill stalls no one, however long (a burst of
+        first turns is shared by P and D, each keeping its conversations)."""
         mine = self._compute(on_p)
-        if mine is None or mine > limit_s:
+        if mine is None or (mine > limit_s and not p_idle):
             return False
         short = sum(1 for n in self._prompts if (self._compute(n) or 0.0) <= limit_s)
         return short >= P_ALONE_SHARE * len(self._prompts)
@@ -323,9 +341,14 @@ class Placement:
         queue = self._queues.setdefault(node.url, {})
         work = tokens - cached
         self._prompts.append(work)
-        ticket = Ticket(node, self.prefill, work, cached, node.prefill_tokens, now, queue)
+        serving = p if decision.where == "p_alone" else d
+        marks = decision.where == "remote" or body.get("stream") is True
+        ticket = Ticket(node, self.prefill, work, cached, node.prefill_tokens, now, queue,
+                        serving if marks else None)
         queue[ticket] = None
         node.prefill_tokens += work
+        if marks:
+            serving.prefilling += 1
         return decision, ticket, chars
 
     def learned(self, route: str, chars: int, prompt_tokens: int | None,

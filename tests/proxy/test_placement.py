@@ -148,6 +148,49 @@ def test_queued_work_moves_requests_off_a_backed_up_p() -> None:
     assert p.url not in place._queues
 
 
+def test_a_burst_of_long_prompts_is_spread_over_p_and_d() -> None:
+    """Eight 512-token prompts at once (a chat's first turns). D's first one is still
+    prefilling when the next come, so no decode of D's is stalled by a second prefill
+    there: the prompts are shared between the nodes by their queues, not all sent to P."""
+    place = Placement("auto", itl_slo_ms=50)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (128, 512, 1024):
+        place.prefill.observe(n, 0.075 + n * 0.0006)
+    place.handoff.observe(512, 0.1)
+    placed = []
+    for _ in range(8):
+        decision, _, _ = place.choose({"prompt": list(range(512)), "stream": True},
+                                      "/v1/completions", p, d)
+        placed.append(decision.where)
+        (p if decision.on_prefill else d).decodes += 1
+    computed_on_p = sum(1 for w in placed if w != "local")
+    assert 3 <= computed_on_p <= 5, placed
+    assert (d.decoding, p.decoding) == (0, 0)  # every one waits for its prompt
+    assert d.prefilling + p.prefilling == 8
+
+
+def test_a_request_decodes_once_its_prompt_is_computed() -> None:
+    """`prefilling` counts a stream until its first token (a remote one until P's answer);
+    a whole local answer counts as decoding from the start (its end is all the proxy sees)."""
+    place = Placement("auto", itl_slo_ms=None)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for stream in (True, False):
+        decision, ticket, _ = place.choose({"prompt": [1, 2], "stream": stream},
+                                           "/v1/completions", p, d)
+        assert decision.where == "remote"  # unmeasured
+        d.decodes += 1
+        assert d.decoding == 0
+        ticket.close(0.0, learn=False)
+        assert d.decoding == 1
+        d.decodes -= 1
+    place = Placement("never", itl_slo_ms=None)
+    _, ticket, _ = place.choose({"prompt": [1, 2]}, "/v1/completions", p, d)
+    d.decodes += 1
+    assert d.decoding == 1
+    ticket.close(0.0, learn=False)
+    assert (d.decoding, d.prefilling) == (1, 0)
+
+
 @pytest.mark.parametrize("tokens,fits", [(150, True), (390, True), (600, False)])
 def test_p_decodes_whole_requests_only_while_its_prefills_are_short(tokens: int,
                                                                      fits: bool) -> None:
@@ -172,8 +215,8 @@ def test_a_few_long_prompts_among_short_ones_leave_p_serving_whole_requests(
         long_prompts: int, fits: bool) -> None:
     """A cold shared prefix or a conversation's first turn is one long prefill among many
     short ones: P keeps taking whole requests while three in five of the latest 16 prompts
-    were short, not once two in five of them were long; a long prompt itself is never P's
-    alone."""
+    were short, not once two in five of them were long; a long prompt itself is P's alone
+    only while nothing decodes on P (its prefill would stall P's decodes)."""
     place = Placement("auto", itl_slo_ms=100)
     p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
     for n in (100, 1000):
@@ -185,6 +228,8 @@ def test_a_few_long_prompts_among_short_ones_leave_p_serving_whole_requests(
         _, ticket, _ = place.choose({"prompt": list(range(tokens))}, "/v1/completions", p, d)
         ticket.close(0.0, learn=False)
     assert place.estimates(100, p, d, 0.0).p_prefills_fit is fits
+    assert place.estimates(900, p, d, 0.0).p_prefills_fit is fits  # P decodes nothing
+    p.decodes = 1
     assert place.estimates(900, p, d, 0.0).p_prefills_fit is False
 
 
@@ -192,7 +237,7 @@ def test_a_short_prompt_stalls_ds_decodes_by_its_compute_not_its_fixed_costs() -
     """Measured here: P's answers take 150 ms + 0.35 ms a token, D's unstalled budget is
     128 ms. A 128-token prompt adds ~45 ms of compute to D's steps (within the budget),
     though its first token takes ~195 ms: it goes local. A 1,000-token one (350 ms of
-    compute) stalls D's four decodes: P, decoding none, takes it whole (within four
+    compute) stalls D's four decodes: P, decoding one, takes it whole (within four
     budgets); a 2,000-token one (700 ms, past four budgets) goes remote, P prefilling only."""
     place = Placement("auto", itl_slo_ms=128)
     p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
@@ -204,7 +249,7 @@ def test_a_short_prompt_stalls_ds_decodes_by_its_compute_not_its_fixed_costs() -
     assert short.local_s is not None and short.local_s > 0.128
     assert short.local_stall_s == pytest.approx(0.0448)
     assert decide("auto", short).where == "local"
-    p.decodes = 0
+    p.decodes = 1
     assert decide("auto", place.estimates(1000, p, d, 0.0)).where == "p_alone"
     assert decide("auto", place.estimates(2000, p, d, 0.0)).where == "remote"
 
@@ -233,6 +278,17 @@ def test_settings_refuse_bad_values_in_one_line() -> None:
     with pytest.raises(ValidationError, match="itl_slo_ms"):
         load_settings(["--itl-slo-ms", "0"])
     assert load_settings([]).split == "auto"
+
+
+async def _decoding(c, node: str = "decode") -> None:
+    """Until the node streams its request's tokens: its prompt is computed, and a prefill
+    there now would stall its steps."""
+    for _ in range(200):
+        (b,) = (await c.status())[node]
+        if b["decodes"] and not b["prefilling"]:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{node} never decoded")
 
 
 async def _stream(c, prompt: str = "hello there") -> int:
@@ -287,7 +343,7 @@ async def test_auto_keeps_long_prefills_off_a_decoding_d(make_cluster: MakeClust
     # D prefills as slowly as P (its first token after 0.1 s) and then decodes for 2 s.
     c.decode[0].delay, c.decode[0].chunks, c.decode[0].chunk_delay = 0.1, 40, 0.05
     running = asyncio.create_task(_stream(c))  # local: D is idle
-    await c.decode[0].wait_requests(2)
+    await _decoding(c)
     c.decode[0].chunks, c.decode[0].chunk_delay = 4, 0.0
     # D is decoding: a 0.1 s prefill there would stall that stream 100x its budget.
     assert await _stream(c) == 200
