@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from appliance.connector.groups import window_blocks
-from appliance.connector.tpplan import Pull
+from appliance.connector.planning.groups import window_blocks
+from appliance.connector.planning.tpplan import Pull
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ def regions(case: Case, views: dict[str, Any], num_blocks: int, heads: int) -> l
 
 
 def d_main(conn: Connection, case: Case) -> None:
-    from appliance.connector.plan import TensorInfo, registration_spans
-    from appliance.connector.transfer import MooncakeTransport
+    from appliance.connector.planning.plan import TensorInfo, registration_spans
+    from appliance.connector.transfers.mooncake import MooncakeTransport
 
     transport = MooncakeTransport()
     session = transport.start("127.0.0.1", "tcp")
@@ -118,8 +118,8 @@ def ids(case: Case) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def ours(case: Case, p_regions: list[Any], d_regions: list[Any]) -> Any:
-    from appliance.connector.descriptors import build_group_descriptors
-    from appliance.connector.tpplan import narrow
+    from appliance.connector.planning.descriptors import build_group_descriptors
+    from appliance.connector.planning.tpplan import narrow
 
     src, dst = (narrow(p_regions, d_regions, case.pull) if case.pull
                 else (p_regions, d_regions))
@@ -153,9 +153,9 @@ def by_hand(case: Case, p_base: int, d_base: int) -> list[tuple[int, int, int]]:
 def p_main(conn: Connection, case: Case, reps: int) -> None:
     from mooncake.engine import TransferEngine
 
-    from appliance.connector.descriptors import split_batches
-    from appliance.connector.plan import TensorInfo, registration_spans
-    from appliance.connector.transfer import MooncakeTransport
+    from appliance.connector.planning.descriptors import split_batches
+    from appliance.connector.planning.plan import TensorInfo, registration_spans
+    from appliance.connector.transfers.mooncake import MooncakeTransport
 
     d_session, d_regions = conn.recv()
     transport = MooncakeTransport()

@@ -24,7 +24,7 @@ MODES = ("off", "on")
 
 
 def _receiver_class() -> type:
-    from appliance.connector.receiver import Receiver
+    from appliance.connector.transfers.receiver import Receiver
 
     class TimedReceiver(Receiver):
         """Sets an event when a request is reported, so no polling adds to the time."""
@@ -44,9 +44,9 @@ def _receiver_class() -> type:
 
 class _Mode:
     def __init__(self, name: str, url: str, key_file: str | None, p: Any, d: Any) -> None:
-        from appliance.connector.sender import Sender
         from appliance.connector.settings import ConnectorSettings
         from appliance.connector.stats import TransferStats
+        from appliance.connector.transfers.sender import Sender
 
         common = {"bootstrap_addr": url, "host": "127.0.0.1", "register_interval_s": 0.5,
                   "side_channel_key_file": key_file}
@@ -84,8 +84,8 @@ class _Mode:
 class _Side:
     def __init__(self, kv_cache: Callable[..., Any], shape: Any, num_blocks: int,
                  fill: bool) -> None:
-        from appliance.connector.plan import TensorInfo, registration_spans
-        from appliance.connector.transfer import MooncakeTransport
+        from appliance.connector.planning.plan import TensorInfo, registration_spans
+        from appliance.connector.transfers.mooncake import MooncakeTransport
 
         self.buf, layers = kv_cache(shape, num_blocks, fill)
         infos = [TensorInfo.from_tensor(t) for t in layers]
@@ -173,7 +173,7 @@ def report(kv_cache: Callable[..., Any], shape: Any, reps: int, auth: str) -> No
     from rich.console import Console
     from rich.table import Table
 
-    from appliance.connector.curve import generate_secret
+    from appliance.connector.sidechannel.curve import generate_secret
 
     modes = MODES if auth == "both" else (auth,)
     with tempfile.TemporaryDirectory() as tmp:

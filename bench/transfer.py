@@ -91,8 +91,8 @@ def pin(core: int | None) -> None:
 def d_main(conn: Connection, shape: Shape, core: int | None = None) -> None:
     """D: allocate and register the cache, publish session and regions, wait."""
     pin(core)
-    from appliance.connector.plan import TensorInfo, registration_spans
-    from appliance.connector.transfer import MooncakeTransport
+    from appliance.connector.planning.plan import TensorInfo, registration_spans
+    from appliance.connector.transfers.mooncake import MooncakeTransport
 
     transport = MooncakeTransport()
     session = transport.start("127.0.0.1", "tcp")
@@ -112,8 +112,8 @@ class PSide:
         import torch
         from mooncake.engine import TransferEngine
 
-        from appliance.connector.plan import TensorInfo, registration_spans
-        from appliance.connector.transfer import MooncakeTransport
+        from appliance.connector.planning.plan import TensorInfo, registration_spans
+        from appliance.connector.transfers.mooncake import MooncakeTransport
 
         # One thread: two OpenMP threads on this 2-core, shared machine stall each other at
         # every barrier whenever Mooncake's or anyone's thread runs (10x swings in memcpy).
@@ -155,8 +155,8 @@ class PSide:
         ]
 
     def ours(self, src: list[int], dst: list[int]) -> None:
-        from appliance.connector.descriptors import build_descriptors
-        from appliance.connector.outgoing import Outgoing
+        from appliance.connector.planning.descriptors import build_descriptors
+        from appliance.connector.transfers.outgoing import Outgoing
 
         t = time.perf_counter()
         descs = build_descriptors(self.p_regions, self.d_regions, src, dst)
@@ -188,7 +188,7 @@ class PSide:
     def measure(self, src: list[int], dst: list[int], reps: int, deadline: float) -> dict:
         import torch
 
-        from appliance.connector.descriptors import build_descriptors, split_batches
+        from appliance.connector.planning.descriptors import build_descriptors, split_batches
 
         hand = self.hand_descriptors(src, dst)
         descs = build_descriptors(self.p_regions, self.d_regions, src, dst)

@@ -25,8 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from appliance.connector.groups import kv_groups
 from appliance.connector.metadata import PDConnectorMetadata
+from appliance.connector.planning.groups import kv_groups
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.stats import PDConnectorStats
 

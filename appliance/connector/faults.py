@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from appliance.connector.transfer import TransferError
+from appliance.connector.transfers.mooncake import TransferError
 
 log = logging.getLogger("vllm.appliance.connector.faults")
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.connector import engine_wait, faults
-from appliance.connector.groups import KVGroup, needed_blocks
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
+from appliance.connector.planning.groups import KVGroup, needed_blocks
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.spans import traceparent_of
 from appliance.deadlines import MAX_RECV_MS

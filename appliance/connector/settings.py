@@ -65,7 +65,8 @@ class ConnectorSettings(BaseModel):
     # vLLM's load-failure policy (recompute locally by default) instead of waiting forever.
     recv_timeout_s: float = Field(_DEADLINES.recv_s, gt=0)
     # Consumer: a side-channel socket to a producer worker closes after this long unused,
-    # and past max_peers open ones the least recently used close (appliance.connector.peers).
+    # and past max_peers open ones the least recently used close
+    # (appliance.connector.sidechannel.peers).
     peer_idle_s: float = Field(300.0, gt=0)
     max_peers: int = Field(256, ge=1)
     # Consumer: a step that computes nothing (the engine only waits for KV) waits up to this

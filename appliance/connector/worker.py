@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.connector import engine_wait
 from appliance.connector.cpu_features import enable_amx
-from appliance.connector.groups import layer_groups
-from appliance.connector.loop import LoopThread
 from appliance.connector.metadata import PDConnectorMetadata
-from appliance.connector.plan import Region, TensorInfo, registration_spans
+from appliance.connector.planning.groups import layer_groups
+from appliance.connector.planning.plan import Region, TensorInfo, registration_spans
+from appliance.connector.planning.tpplan import head_major
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.sidechannel.loop import LoopThread
 from appliance.connector.stats import PDConnectorStats, TransferStats
-from appliance.connector.tpplan import head_major
-from appliance.connector.transfer import MooncakeTransport
+from appliance.connector.transfers.mooncake import MooncakeTransport
 
 if TYPE_CHECKING:
     import torch
@@ -210,7 +210,7 @@ class PDWorker:
             self.side = self.loop.run(self._make_receiver(regions), timeout=30)
 
     async def _make_sender(self, regions: list[Region]):
-        from appliance.connector.sender import Sender
+        from appliance.connector.transfers.sender import Sender
 
         sender = Sender(self.settings, self.transport, regions, self.host, self.tp_rank,
                         self.tp_size, self.dp_rank, self.stats,
@@ -219,7 +219,7 @@ class PDWorker:
         return sender
 
     async def _make_receiver(self, regions: list[Region]):
-        from appliance.connector.receiver import Receiver
+        from appliance.connector.transfers.receiver import Receiver
 
         return Receiver(self.settings, self.transport, regions, self.host, self.tp_rank,
                         self.tp_size, self.stats, total_heads=self.total_heads)

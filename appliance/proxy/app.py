@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from appliance import bearer
-from appliance.connector import curve
+from appliance.connector.sidechannel import curve
 from appliance.httperrors import json_error
 from appliance.proxy import first_token
 from appliance.proxy.admission import Admission

@@ -20,8 +20,13 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from appliance.connector import messages as m
-from appliance.connector.curve import HANDSHAKE_FAILED, CurveKey, handshake_failure, set_client
+from appliance.connector.sidechannel import messages as m
+from appliance.connector.sidechannel.curve import (
+    HANDSHAKE_FAILED,
+    CurveKey,
+    handshake_failure,
+    set_client,
+)
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.ownership import PrefillKV
 

@@ -124,10 +124,10 @@ def serve(
         enter_netns(netns)  # before Mooncake starts threads, so they all live there
     import torch
 
-    from appliance.connector.descriptors import build_descriptors
-    from appliance.connector.plan import PlanError, Region, TensorInfo
-    from appliance.connector.plan import registration_spans as spans_of
-    from appliance.connector.transfer import MooncakeTransport, TransferError
+    from appliance.connector.planning.descriptors import build_descriptors
+    from appliance.connector.planning.plan import PlanError, Region, TensorInfo
+    from appliance.connector.planning.plan import registration_spans as spans_of
+    from appliance.connector.transfers.mooncake import MooncakeTransport, TransferError
 
     transport = MooncakeTransport()
     session = transport.start(host, "tcp")
@@ -158,7 +158,7 @@ def serve(
                 continue
             conn.send(write(peer, descs, max_batch))
         elif cmd == "write_raw":  # our first block to an arbitrary destination address
-            from appliance.connector.descriptors import Descriptors
+            from appliance.connector.planning.descriptors import Descriptors
 
             peer, dst_addr, length = args
             conn.send(write(peer, Descriptors([regions[0].base_addr], [dst_addr], [length]), 1024))

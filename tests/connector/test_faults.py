@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from appliance.connector import faults
-from appliance.connector.transfer import TransferError
+from appliance.connector.transfers.mooncake import TransferError
 
 
 def test_off_unless_the_environment_asks():

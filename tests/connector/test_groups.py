@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from appliance.connector import groups as g
-from appliance.connector.descriptors import build_descriptors, build_group_descriptors
-from appliance.connector.groups import NULL_BLOCK, KVGroup, UnsupportedModelError
-from appliance.connector.plan import LayoutMismatchError, Region
+from appliance.connector.planning import groups as g
+from appliance.connector.planning.descriptors import build_descriptors, build_group_descriptors
+from appliance.connector.planning.groups import NULL_BLOCK, KVGroup, UnsupportedModelError
+from appliance.connector.planning.plan import LayoutMismatchError, Region
 from appliance.connector.scheduler import PDScheduler
 from appliance.connector.settings import ConnectorSettings
 from tests.connector.test_side_channel import BLOCK, BLOCKS, HEAD_DIM, HEADS, Pair

@@ -19,9 +19,9 @@ import pytest
 
 from appliance.connector import engine_wait
 from appliance.connector.facade import PDConnector
-from appliance.connector.loop import LoopThread
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.sidechannel.loop import LoopThread
 from appliance.connector.worker import PDWorker, ReadySends
 
 V1 = ("handle_preemptions", "bind", "forward", "start_load_kv", "wait_for_save",

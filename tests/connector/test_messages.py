@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from appliance.connector.messages import (
+from appliance.connector.planning.plan import Region
+from appliance.connector.sidechannel.messages import (
     CancelEntry,
     CancelRequest,
     MessageError,
@@ -24,7 +25,6 @@ from appliance.connector.messages import (
     layout_from_wire,
     layout_to_wire,
 )
-from appliance.connector.plan import Region
 
 LAYOUT = [Region(0x7F00_0000_0000 + i * (1 << 26), 65536, 65536, 1024) for i in range(36)]
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from appliance.connector.transfer import WriteStopped
+from appliance.connector.transfers.mooncake import WriteStopped
 from tests.connector.test_side_channel import Pair
 
 
@@ -144,7 +144,7 @@ async def test_a_write_that_completes_after_the_deadline_is_still_used(bootstrap
 
 def test_transport_stops_between_batches(pair):
     """The transport asks before every batch, the first included."""
-    from appliance.connector.descriptors import Descriptors
+    from appliance.connector.planning.descriptors import Descriptors
 
     descs = Descriptors([0, 0], [0, 0], [1, 1])
     with pytest.raises(WriteStopped, match="before batch 1/2: nope"):

@@ -1,6 +1,7 @@
-"""D's side-channel sockets to producer workers (appliance.connector.peers): a P worker that
-dies and comes back (at a new port, as every restart binds one) costs D's next pull no wait,
-and the dead worker's socket is closed; idle sockets close; the open set stays bounded.
+"""D's side-channel sockets to producer workers (appliance.connector.sidechannel.peers): a
+P worker that dies and comes back (at a new port, as every restart binds one) costs D's next
+pull no wait, and the dead worker's socket is closed; idle sockets close; the open set stays
+bounded.
 Real sidecar, ZMQ and Mooncake on loopback (test_side_channel.py's Pair)."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from appliance.connector.peers import PeerView, to_close
-from appliance.connector.sender import Sender
+from appliance.connector.sidechannel.peers import PeerView, to_close
+from appliance.connector.transfers.sender import Sender
 from tests.connector.test_side_channel import Pair, wait_registered
 
 

@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from appliance.connector import descriptors, plan
-from appliance.connector.descriptors import (
+from appliance.connector.planning import descriptors, plan
+from appliance.connector.planning.descriptors import (
     Descriptors,
     block_runs,
     build_descriptors,
     pair_blocks,
     split_batches,
 )
-from appliance.connector.plan import (
+from appliance.connector.planning.plan import (
     BlockCountError,
     BlockRangeError,
     LayoutError,

@@ -7,8 +7,8 @@ import asyncio
 
 from appliance.bootstrap.client import BootstrapError
 from appliance.bootstrap.wire import Registration
-from appliance.connector.registration import keep_registered
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.sidechannel.registration import keep_registered
 
 
 class Client:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from appliance.connector.groups import KVGroup
+from appliance.connector.planning.groups import KVGroup
 from appliance.connector.scheduler import PDScheduler, pull_block_ids
 from appliance.connector.settings import ConnectorSettings
 

@@ -13,14 +13,14 @@ import torch
 import zmq
 import zmq.asyncio
 
-from appliance.connector import messages as m
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
-from appliance.connector.plan import Region
-from appliance.connector.receiver import Receiver
-from appliance.connector.sender import Sender
+from appliance.connector.planning.plan import Region
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.sidechannel import messages as m
 from appliance.connector.stats import TransferStats
-from appliance.connector.transfer import MooncakeTransport
+from appliance.connector.transfers.mooncake import MooncakeTransport
+from appliance.connector.transfers.receiver import Receiver
+from appliance.connector.transfers.sender import Sender
 from appliance.connector.worker import kv_regions
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 4, 64, 2, 16, 32
@@ -58,7 +58,7 @@ class Side:
         self.regions, infos = kv_regions(caches, BLOCKS, group_of)
         self.transport = MooncakeTransport()
         self.transport.start("127.0.0.1")
-        from appliance.connector.plan import registration_spans
+        from appliance.connector.planning.plan import registration_spans
         self.transport.register(registration_spans(infos))
         self.stats = TransferStats()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.connector.descriptors import build_descriptors
-from appliance.connector.plan import LayoutMismatchError, PlanError, Region, TensorInfo
-from appliance.connector.tpplan import (
+from appliance.connector.planning.descriptors import build_descriptors
+from appliance.connector.planning.plan import LayoutMismatchError, PlanError, Region, TensorInfo
+from appliance.connector.planning.tpplan import (
     Pull,
     head_major,
     narrow,

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from appliance.connector.metadata import RecvSpec
-from appliance.connector.receiver import Receiver
-from appliance.connector.sender import Sender
+from appliance.connector.planning.tpplan import rank_heads
 from appliance.connector.settings import ConnectorSettings
-from appliance.connector.tpplan import rank_heads
+from appliance.connector.transfers.receiver import Receiver
+from appliance.connector.transfers.sender import Sender
 from appliance.connector.worker import kv_regions
 from tests.connector.test_side_channel import (
     BLOCK,

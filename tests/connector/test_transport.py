@@ -231,7 +231,7 @@ def test_across_network_namespaces() -> None:
 
 
 def test_start_rejects_bad_settings_before_touching_mooncake(tmp_path) -> None:
-    from appliance.connector.transfer import MooncakeTransport, TransferError
+    from appliance.connector.transfers.mooncake import MooncakeTransport, TransferError
 
     t = MooncakeTransport()
     with pytest.raises(TransferError, match="protocol"):

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from appliance.connector.descriptors import build_descriptors  # noqa: E402
+from appliance.connector.planning.descriptors import build_descriptors  # noqa: E402
 from appliance.connector.worker import kv_regions  # noqa: E402
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD = 3, 10, 4, 16, 32
@@ -91,7 +91,7 @@ def test_head_slices_for_a_different_tp_cover_exactly_those_heads(layout) -> Non
     """P and D of different TP move a slice of each block's heads (tpplan.narrow). Layouts
     with heads outermost in a page (LBHNC, what the connector asks for, and BLHNC) are
     sliceable, and a slice is exactly vLLM's bytes of those heads; the others say so."""
-    from appliance.connector.tpplan import Pull, narrow
+    from appliance.connector.planning.tpplan import Pull, narrow
 
     raw, caches = vllm_views(layout, None)
     regions, _ = kv_regions(caches, BLOCKS, None, HEADS)

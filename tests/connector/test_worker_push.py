@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from appliance.connector.loop import LoopThread
 from appliance.connector.metadata import PDConnectorMetadata
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.sidechannel.loop import LoopThread
 from appliance.connector.worker import PDWorker, ReadySends
 
 

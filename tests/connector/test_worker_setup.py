@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from appliance.connector.cpu_features import enable_amx
-from appliance.connector.sender import Sender
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.stats import TransferStats
+from appliance.connector.transfers.sender import Sender
 from appliance.connector.worker import thread_binder
 
 

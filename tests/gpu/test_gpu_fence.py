@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from appliance.connector.descriptors import build_descriptors
-from appliance.connector.outgoing import write as _write
-from appliance.connector.plan import registration_spans
-from appliance.connector.transfer import MooncakeTransport
+from appliance.connector.planning.descriptors import build_descriptors
+from appliance.connector.planning.plan import registration_spans
+from appliance.connector.transfers.mooncake import MooncakeTransport
+from appliance.connector.transfers.outgoing import write as _write
 from appliance.connector.worker import compute_fence, kv_regions
 from tests.connector.conftest import bootstrap_url  # noqa: F401 - a fixture
 from tests.connector.test_side_channel import BLOCKS, Pair

@@ -23,23 +23,24 @@ import zmq.asyncio
 
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
-from appliance.connector import curve, faults, guard
-from appliance.connector import messages as m
-from appliance.connector.descriptors import build_group_descriptors
-from appliance.connector.ledger import Ledger
-from appliance.connector.outgoing import Outgoing, write
-from appliance.connector.plan import PlanError, Region
-from appliance.connector.registration import keep_registered
+from appliance.connector import faults
+from appliance.connector.planning.descriptors import build_group_descriptors
+from appliance.connector.planning.plan import PlanError, Region
+from appliance.connector.planning.tpplan import Leg, leg_for
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.sidechannel import curve, guard
+from appliance.connector.sidechannel import messages as m
+from appliance.connector.sidechannel.registration import keep_registered
 from appliance.connector.spans import TransferSpans
-from appliance.connector.state import TransferState
 from appliance.connector.stats import TransferStats
-from appliance.connector.tpplan import Leg, leg_for
-from appliance.connector.transfer import MooncakeTransport, TransferError
+from appliance.connector.transfers.ledger import Ledger
+from appliance.connector.transfers.mooncake import MooncakeTransport, TransferError
+from appliance.connector.transfers.outgoing import Outgoing, write
+from appliance.connector.transfers.state import TransferState
 from appliance.deadlines import write_by_s
 from appliance.netaddr import host_port, url_host
 
-log = logging.getLogger("vllm.appliance.connector.sender")
+log = logging.getLogger("vllm.appliance.connector.transfers.sender")
 
 class Sender(Ledger):
     def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,

@@ -24,11 +24,11 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from appliance.connector import curve
-from appliance.connector import messages as m
+from appliance.connector.sidechannel import curve
+from appliance.connector.sidechannel import messages as m
 from appliance.connector.stats import TransferStats
 
-log = logging.getLogger("vllm.appliance.connector.peers")
+log = logging.getLogger("vllm.appliance.connector.sidechannel.peers")
 
 
 class PeerOwner(Protocol):

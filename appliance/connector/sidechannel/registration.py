@@ -11,7 +11,7 @@ from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
 from appliance.connector.settings import ConnectorSettings
 
-log = logging.getLogger("vllm.appliance.connector.sender")
+log = logging.getLogger("vllm.appliance.connector.transfers.sender")
 
 
 async def keep_registered(client: BootstrapClient, reg: Registration,

@@ -19,7 +19,7 @@ import msgspec
 from appliance.netaddr import host_port
 
 if TYPE_CHECKING:
-    from appliance.connector.plan import Region
+    from appliance.connector.planning.plan import Region
 
 _MAX_ID = 4096  # request, transfer and engine ids are uuids plus prefixes in practice
 _MAX_ITEMS = 1 << 20
@@ -175,7 +175,7 @@ def layout_to_wire(regions: Iterable[Region]) -> list[RegionMsg]:
 def layout_from_wire(layout: Sequence[RegionMsg]) -> list[Region]:
     """Regions from the wire; impossible geometry (overlapping blocks, empty) is rejected."""
     # Imported here so that the proxy, which only sends cancellations, needs no numpy.
-    from appliance.connector.plan import LayoutError, Region
+    from appliance.connector.planning.plan import LayoutError, Region
 
     try:
         return [Region(m.base_addr, m.block_stride, m.block_bytes, m.num_blocks, m.group,

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from appliance.connector.plan import (
+from appliance.connector.planning.plan import (
     BlockCountError,
     BlockRangeError,
     LayoutMismatchError,

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from appliance.connector import messages as m
+from appliance.connector.sidechannel import messages as m
 
 if TYPE_CHECKING:
-    from appliance.connector.plan import Region
+    from appliance.connector.planning.plan import Region
     from appliance.connector.stats import TransferStats
 
-log = logging.getLogger("vllm.appliance.connector.sender")  # the Sender's log: one stream
+log = logging.getLogger("vllm.appliance.connector.transfers.sender")  # the Sender's log: one stream
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address

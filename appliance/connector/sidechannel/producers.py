@@ -3,7 +3,7 @@ through the producer's bootstrap sidecar and cached per (sidecar, engine id).
 
 With the producer's TP equal to ours, our rank pulls from its own rank (the reference's
 only case); with a larger producer TP, from each producer rank holding some of our heads
-(appliance.connector.tpplan). One lookup per producer at a time; a cached entry naming a
+(appliance.connector.planning.tpplan). One lookup per producer at a time; a cached entry naming a
 dead worker, or missing a rank that registered later, is looked up again.
 """
 
@@ -13,9 +13,9 @@ import asyncio
 from collections.abc import Callable
 
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
-from appliance.connector.plan import PlanError
+from appliance.connector.planning.plan import PlanError
+from appliance.connector.planning.tpplan import pulls_for, unpulled_ranks
 from appliance.connector.settings import ConnectorSettings
-from appliance.connector.tpplan import pulls_for, unpulled_ranks
 
 Key = tuple[str, str]  # (bootstrap sidecar URL, producer engine id)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from appliance.connector.plan import LayoutMismatchError, PlanError, Region
+from appliance.connector.planning.plan import LayoutMismatchError, PlanError, Region
 
 WHOLE = -1  # Pull.heads for "the whole block": equal TP, or MLA's replicated latent
 

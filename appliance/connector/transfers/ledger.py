@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from appliance.connector.outgoing import Outgoing
 from appliance.connector.reports import Reports
+from appliance.connector.transfers.outgoing import Outgoing
 
 # How many finished transfer ids are remembered to reject a transfer_id seen twice.
 _SEEN_IDS = 65536

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from appliance.connector.descriptors import Descriptors
-from appliance.connector.state import Transfer
-from appliance.connector.transfer import MooncakeTransport, WriteResult
+from appliance.connector.planning.descriptors import Descriptors
+from appliance.connector.transfers.mooncake import MooncakeTransport, WriteResult
+from appliance.connector.transfers.state import Transfer
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.connector.descriptors import MAX_BATCH_DESCS, Descriptors, split_batches
+from appliance.connector.planning.descriptors import MAX_BATCH_DESCS, Descriptors, split_batches
 from appliance.netaddr import host_port
 
 PROTOCOLS = ("tcp", "rdma")

@@ -21,20 +21,20 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from appliance.bootstrap.client import BootstrapError
-from appliance.connector import curve
-from appliance.connector import messages as m
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
-from appliance.connector.peers import Peer, Peers
-from appliance.connector.plan import PlanError, Region
-from appliance.connector.producers import Producers
+from appliance.connector.planning.plan import PlanError, Region
 from appliance.connector.reports import Reports
 from appliance.connector.settings import ConnectorSettings
+from appliance.connector.sidechannel import curve
+from appliance.connector.sidechannel import messages as m
+from appliance.connector.sidechannel.peers import Peer, Peers
+from appliance.connector.sidechannel.producers import Producers
 from appliance.connector.spans import TransferSpans
-from appliance.connector.state import Transfer, TransferState
 from appliance.connector.stats import TransferStats
-from appliance.connector.transfer import MooncakeTransport
+from appliance.connector.transfers.mooncake import MooncakeTransport
+from appliance.connector.transfers.state import Transfer, TransferState
 
-log = logging.getLogger("vllm.appliance.connector.receiver")
+log = logging.getLogger("vllm.appliance.connector.transfers.receiver")
 
 
 @dataclass
