@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 from appliance.connector.reports import Reports
 from appliance.connector.transfers.outgoing import Outgoing
+from appliance.connector.transfers.state import TransferState
 
 # How many finished transfer ids are remembered to reject a transfer_id seen twice.
 _SEEN_IDS = 65536
@@ -60,3 +61,32 @@ class Ledger:
         while len(self._seen) > _SEEN_IDS:
             self._seen.popitem(last=False)
 
+
+    def expire(self, now: float) -> int:
+        """P frees KV that no decode node fetched, and fails decode nodes whose prefill
+        never finished, once their transfer's deadline (send_timeout_s) passed. Returns
+        how many prefilled transfers no decode node asked for (counted as expired)."""
+        expired = 0
+        for t in list(self.by_transfer.values()):
+            if now < t.deadline:
+                continue
+            if t.state is TransferState.TRANSFERRING and not t.writing:
+                # Some decode ranks were served, another never asked (it died, or its
+                # request was dropped): free the blocks rather than hold them for it.
+                t.fail(f"decode ranks {sorted(t.served)} of {t.legs} were served, the "
+                       "others never asked within send_timeout_s", p_req=t.p_req_id,
+                       d_req=t.d_req_id)
+                self._settle(t)
+                continue
+            if t.state is not TransferState.WAITING_FOR_INPUT:
+                continue
+            if t.p_req_id is None:
+                why = "prefill did not finish within send_timeout_s"
+            else:
+                why = "no decode node asked for the KV within send_timeout_s"
+                expired += 1
+            t.fail(why, p_req=t.p_req_id, d_req=t.d_req_id)
+            t.ready.set()
+            if t.d_req_id is None:
+                self._settle(t)
+        return expired

@@ -42,6 +42,7 @@ from appliance.netaddr import host_port, url_host
 
 log = logging.getLogger("vllm.appliance.connector.transfers.sender")
 
+
 class Sender(Ledger):
     def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int, dp_rank: int,
@@ -220,7 +221,6 @@ class Sender(Ledger):
             return None, None
         return frames[0].bytes, frames[1]
 
-
     async def _reply(self, identity: bytes, resp: m.TransferResponse) -> None:
         assert self._sock is not None
         if self.faults is not None and self.faults.drop_reply():
@@ -390,31 +390,8 @@ class Sender(Ledger):
                 status=m.Status.FINISH, ok=ok, failed=failed)))
 
     async def _expire_loop(self) -> None:
-        """P frees KV that no decode node fetched, and fails decode nodes whose prefill
-        never finished, after send_timeout_s."""
+        """Deadlines on what the ledger holds, checked twice a second (Ledger.expire)."""
         while True:
             await asyncio.sleep(0.5)
-            now = time.monotonic()
-            for t in list(self.by_transfer.values()):
-                if now < t.deadline:
-                    continue
-                if t.state is TransferState.TRANSFERRING and not t.writing:
-                    # Some decode ranks were served, another never asked (it died, or its
-                    # request was dropped): free the blocks rather than hold them for it.
-                    t.fail(f"decode ranks {sorted(t.served)} of {t.legs} were served, the "
-                           "others never asked within send_timeout_s", p_req=t.p_req_id,
-                           d_req=t.d_req_id)
-                    self._settle(t)
-                    continue
-                if t.state is not TransferState.WAITING_FOR_INPUT:
-                    continue
-                if t.p_req_id is None:
-                    why = "prefill did not finish within send_timeout_s"
-                else:
-                    why = "no decode node asked for the KV within send_timeout_s"
-                    self.stats.record_expired()
-                t.fail(why, p_req=t.p_req_id, d_req=t.d_req_id)
-                t.ready.set()
-                if t.d_req_id is None:
-                    self._settle(t)
-
+            for _ in range(self.expire(time.monotonic())):
+                self.stats.record_expired()
