@@ -25,7 +25,7 @@ from appliance.proxy import first_token
 from appliance.proxy.admission import Admission
 from appliance.proxy.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.discovery import KubernetesDiscovery
-from appliance.proxy.errors import ProxyError
+from appliance.proxy.errors import NodeDown, ProxyError
 from appliance.proxy.exchange import Exchange
 from appliance.proxy.health import HealthPoller
 from appliance.proxy.metrics import ProxyMetrics
@@ -309,6 +309,21 @@ class Proxy:
         d = await self.admission.admit(
             self.backends.ready_decode, lambda ds: self.router.pick_decode(ds, rec.prefix))
         self.metrics.admission_wait.observe(time.monotonic() - asked)
+        try:
+            return await self._serve(request, rec, body, prefills, d, size)
+        except NodeDown as down:
+            if rec.ttfb_s is not None:
+                raise
+            return await self.exchange.elsewhere(
+                request, rec, body, down, self.backends.ready_decode(),
+                lambda ds: self.router.pick_decode(ds, rec.prefix))
+        finally:
+            self.admission.release(d)
+
+    async def _serve(self, request: web.Request, rec: Record, body: dict[str, Any],
+                     prefills: list[PrefillBackend], d: Backend,
+                     size: tuple[int, int]) -> web.StreamResponse:
+        """The request placed and sent on its path, D admitted."""
         serving: Backend | None = None  # the node that decodes: counted in its `decodes`
         try:
             if not prefills:
@@ -343,7 +358,6 @@ class Proxy:
                 serving.decodes -= 1
                 if serving is not d:
                     serving.in_flight -= 1
-            self.admission.release(d)
 
     async def _lookup(self, body: dict[str, Any], rec: Record,
                       prefills: list[PrefillBackend], estimate: int) -> Lookup | None:

@@ -25,6 +25,16 @@ class ProxyError(Exception):
         return error_body(self.status, self.message, self.err_type)
 
 
+class NodeDown(ProxyError):
+    """The node serving a request failed before the client's first byte in a way that says
+    it will not answer: unreachable, or found down by its health checks. Another decode node
+    may serve the request (appliance.proxy.exchange.Exchange.elsewhere)."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(502, message)
+        self.url = url
+
+
 def status_kind(status: int) -> str:
     """An error status as the upstream-error metric's `kind`."""
     return "http_4xx" if status < 500 else "http_5xx"

@@ -3,12 +3,14 @@ and D at once, P's status before any byte of D's), P's token first (first_token 
 and D alone (the fallback when P cannot help). Each names the transfer, moves the KV's
 holder (appliance.proxy.ownership) as the legs go, and hands D's answer to the relay. A
 D call still waiting on P's KV is registered in `pulls`: if that P goes down, D is asked
-again alone (`_alone`).
+again alone (`_alone`); a request whose serving node goes down before the client's first
+byte is asked of another D alone (`elsewhere`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,7 +20,7 @@ from aiohttp import web
 
 from appliance.proxy import first_token
 from appliance.proxy.backends import Backend, Backends, PrefillBackend
-from appliance.proxy.errors import ProxyError, status_kind, upstream_error_body
+from appliance.proxy.errors import NodeDown, ProxyError, status_kind, upstream_error_body
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.ownership import PREFILL_DOWN, Holder, PrefillKV, Pulls
 from appliance.proxy.record import Record
@@ -34,7 +36,10 @@ from appliance.proxy.split import (
 )
 from appliance.proxy.upstream import Pool, Response, UpstreamError, Upstreams, wait_any
 
+log = logging.getLogger(__name__)
 _encode = msgspec.json.encode
+# The fallback's reason when the node serving a request went down before its first byte.
+DECODE_DOWN = "decode_down"
 # One upstream call of the cold path: pool, response sent already (or None), body, read
 # timeout, headers.
 _Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
@@ -311,6 +316,29 @@ class Exchange:
         rec.decode = d.url
         upstream = await self._send_decode(rec, d, rec.route, _encode(body))
         return await self.relay.relay(request, rec, d, upstream)
+
+    async def elsewhere(self, request: web.Request, rec: Record, body: dict[str, Any],
+                        down: NodeDown, decodes: list[Backend],
+                        pick: Callable[[list[Backend]], Backend]) -> web.StreamResponse:
+        """The node serving the request was found down (or unreachable) before the client's
+        first byte: another D serves it alone, once (a rollout's old D, sent a request as
+        it stopped, loses nothing). Whatever P held for it is given up. No other D: the
+        502 stands."""
+        others = [b for b in decodes if b.url != down.url]
+        if not others:
+            raise down
+        if rec.ticket is not None:  # its prefill will not happen where it was queued
+            rec.ticket.close(time.monotonic(), learn=False)
+        other = pick(others)
+        log.warning("%s %s: %s; decode %s serves it alone", rec.route, rec.request_id,
+                    down.message, other.url)
+        other.in_flight += 1
+        other.decodes += 1
+        try:
+            return await self.plain(request, rec, body, other, DECODE_DOWN)
+        finally:
+            other.in_flight -= 1
+            other.decodes -= 1
 
     async def _send_decode(self, rec: Record, d: Backend, route: str, data: bytes) -> Response:
         rec.serve_sent_at = time.monotonic()

@@ -17,6 +17,7 @@ from aiohttp import web
 from appliance.proxy import first_token
 from appliance.proxy.backends import Backend, Backends
 from appliance.proxy.errors import (
+    NodeDown,
     ProxyError,
     sse_error_event,
     status_kind,
@@ -51,14 +52,14 @@ class Relay:
 
     def decode_error(self, d: Backend, exc: UpstreamError) -> ProxyError:
         if exc.kind == "down":  # counted once for all its calls; why names the node
-            return ProxyError(502, str(exc))
+            return NodeDown(d.url, str(exc))
         self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
         if exc.kind == "timeout":
             return ProxyError(504, f"{d.role} node {d.url} did not answer in "
                                    f"{self.settings.decode_read_timeout_s:g} s")
         if exc.kind == "connect":
             self.backends.mark_failed(d, str(exc))
-            return ProxyError(502, f"{d.role} node {d.url} unreachable: {exc}")
+            return NodeDown(d.url, f"{d.role} node {d.url} unreachable: {exc}")
         return ProxyError(502, f"{d.role} node {d.url} failed: {exc}")
 
     async def _head(self, d: Backend, upstream: Response, retry: Retry) -> Response:
@@ -109,8 +110,9 @@ class Relay:
                 if exc.kind == PREFILL_DOWN and retry is not None:
                     upstream.close()
                     return await self.relay(request, rec, d, await self._again(d, retry))
-                if exc.kind != "down":  # a down node's calls are counted once, together
-                    self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
+                if exc.kind == "down":  # nothing of the answer reached the client
+                    raise NodeDown(d.url, str(exc)) from None
+                self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
                 raise ProxyError(502, f"{d.role} node {d.url} failed mid-answer: {exc}") from None
             self._first_byte(rec, stream=False)
             rec.usage_prompt, rec.usage_output = answer_usage(raw)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from tests.proxy.conftest import MakeCluster
 
 SLOW = {"prefill_timeout_s": 60.0, "decode_read_timeout_s": 60.0}
@@ -77,3 +79,45 @@ async def test_one_failed_check_does_not_fail_what_the_node_holds(
     d.healthy = True
     status, _, _ = await asyncio.wait_for(task, 10)
     assert status == 200
+
+
+@pytest.mark.parametrize("split", ["never", "always"])
+async def test_a_request_whose_decode_node_is_found_down_before_any_byte_goes_to_another(
+        make_cluster: MakeCluster, split: str) -> None:
+    """A rollout's old D can take a request as it stops, and hold it unanswered until the
+    health checks find it down: nothing reached the client, so another D serves it alone
+    (a remote request's KV on P is given up), not a 502."""
+    c = await make_cluster(n_decode=2, split=split, **SLOW)
+    for d in c.decode:
+        d.hang = True
+    task = asyncio.create_task(c.post())
+    for _ in range(500):
+        took = [d for d in c.decode if d.received]
+        if took:
+            break
+        await asyncio.sleep(0.01)
+    (gone,) = took
+    (other,) = [d for d in c.decode if d is not gone]
+    other.hang = False
+    gone.healthy = False
+    status, answer, _ = await asyncio.wait_for(task, 10)
+    assert status == 200, answer
+    (asked,) = other.bodies()
+    assert "kv_transfer_params" not in asked  # alone: its own prefill
+    metrics = await c.metrics()
+    assert 'pd_proxy_prefill_fallbacks_total{reason="decode_down"} 1.0' in metrics
+    if split == "always":
+        (p_call,) = c.prefill[0].received
+        xfer = p_call.kv["transfer_id"]
+        await c.wait_for(lambda: xfer in c.released())  # what P held is freed at once
+
+
+async def test_with_no_other_decode_node_the_request_still_ends_at_once(
+        make_cluster: MakeCluster) -> None:
+    c = await make_cluster(split="never", **SLOW)
+    c.decode[0].hang = True
+    task = asyncio.create_task(c.post())
+    await c.decode[0].wait_requests(1)
+    c.decode[0].healthy = False
+    status, answer, _ = await asyncio.wait_for(task, 10)
+    assert status == 502 and "is down" in answer["error"]["message"]
