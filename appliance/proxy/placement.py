@@ -297,12 +297,28 @@ class Placement:
             remote = alone + (self.handoff.predict(on_d) or 0.0)
         d_line = self.prefill.predict(d.prefill_tokens + on_d)
         local = None if d_line is None else max(d_line, self._waited(d, now))
+        # D's decodes, and the remote requests whose KV reaches D while a local prefill
+        # would still run there: those decode, stalled, from P's answer on.
+        running = d.decoding + (0 if local is None else self._arriving(d, now + local))
         budget = self.itl_budget_s()
         fit = budget is not None and self._p_prefills_fit(on_p, P_ALONE_FIT * budget,
                                                           p.decoding == 0)
-        return Estimates(tokens, remote, local, d.decoding, budget, alone, p.decoding, fit,
+        return Estimates(tokens, remote, local, running, budget, alone, p.decoding, fit,
                          self._compute(on_d), self._compute(on_p), self.prefill_deadline_s,
                          p.decodes, d.decodes)
+
+    def _arriving(self, d: Backend, by: float) -> int:
+        """Requests waiting for a P's prefill (any P's) that D then decodes, P's answer due
+        before `by` (each prefill's predicted end: sent + the line at the work it joined)."""
+        n = 0
+        for url, queue in self._queues.items():
+            if url == d.url:  # D's own prefills: computed beside a local one, not stalled
+                continue
+            for t in queue:
+                if t.serving is d and t.sent + (self.prefill.predict(t.ahead + t.tokens)
+                                                or 0.0) < by:
+                    n += 1
+        return n
 
     def _compute(self, tokens: int) -> float | None:
         """The compute part of a prefill of `tokens` (see Estimates.local_stall_s)."""

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from appliance.proxy.backends import Backend
 from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
-from appliance.proxy.placement import Estimates, Placement, decide, prompt_size
+from appliance.proxy.placement import Estimates, Placement, Ticket, decide, prompt_size
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.settings import load_settings
 from tests.proxy.conftest import MakeCluster
@@ -167,6 +167,25 @@ def test_a_burst_of_long_prompts_is_spread_over_p_and_d() -> None:
     assert 3 <= computed_on_p <= 5, placed
     assert (d.decoding, p.decoding) == (0, 0)  # every one waits for its prompt
     assert d.prefilling + p.prefilling == 8
+
+
+@pytest.mark.parametrize("p_tokens,local_tokens,stalled", [(200, 600, 1), (3000, 100, 0)])
+def test_a_remote_request_whose_kv_reaches_d_during_a_local_prefill_is_stalled_by_it(
+        p_tokens: int, local_tokens: int, stalled: int) -> None:
+    """A request waiting for P's prefill decodes on D from P's answer on: a local prefill
+    still running then stalls it (P's 200 tokens end before D's 600 would), one that ends
+    first does not (D's 100 tokens, P's 3,000)."""
+    place = Placement("auto", itl_slo_ms=50)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (100, 500, 1000):
+        place.prefill.observe(n, 0.05 + n * 0.001)
+    now = 100.0
+    queue = place._queues.setdefault(p.url, {})
+    waiting = Ticket(p, place.prefill, p_tokens, 0, 0, now, queue, d)
+    queue[waiting] = None
+    d.decodes, d.prefilling = 1, 1
+    assert d.decoding == 0
+    assert place.estimates(local_tokens, p, d, now).decodes_running == stalled
 
 
 def test_a_request_decodes_once_its_prompt_is_computed() -> None:
