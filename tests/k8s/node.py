@@ -33,13 +33,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.conftest import free_port
 from tests.containers.engine import DockerEngine, cache_dir, ensure_packages, mounts_under
 from tests.k8s import nodeconfig, nodehost
 from tests.k8s.controlplane import SERVICE_CIDR, ControlPlane, binaries, until
+from tests.k8s.nodehost import Traces
 
 NODE_NAME = "pd-node"
 NODE_IP, PEER_IP = "10.201.0.1", "10.201.0.2"  # the veth pair, both ends in the namespace
@@ -51,35 +52,6 @@ APT = {"containerd": "containerd", "runc": "runc", "socat": "socat",
 
 class NodeUnavailable(RuntimeError):
     """A node cannot run here: the tests skip with this line."""
-
-
-@dataclass
-class Traces:
-    """What a node started, recorded so a run killed midway is cleared by the next."""
-    netns: str
-    cgroup_root: str
-    run: str
-    work: str
-    holder: int | None = None
-    containerd: int | None = None
-    pids: list[int] = field(default_factory=list)  # the others' process groups, newest first
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
-
-    def ours(self, pid: int | None) -> bool:
-        """Still the process recorded (a killed run's pid may have been reused): the holder
-        is in the node's network namespace, the others name its folders."""
-        if pid is None or not nodehost.alive(pid):
-            return False
-        try:
-            if pid == self.holder:
-                return (os.stat(f"/proc/{pid}/ns/net").st_ino
-                        == os.stat(f"/run/netns/{self.netns}").st_ino)
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            return False
-        return self.run in cmdline or self.work in cmdline
 
 
 @dataclass

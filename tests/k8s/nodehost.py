@@ -3,11 +3,13 @@ namespace or cgroup, and the host state it must leave as it was."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 CGROUPS = Path("/sys/fs/cgroup")
@@ -127,3 +129,32 @@ def host_state() -> dict[str, str]:
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     state["links"] = " ".join(sorted(line.split(":")[1].strip() for line in links.splitlines()))
     return state
+
+
+@dataclass
+class Traces:
+    """What a node started, recorded so a run killed midway is cleared by the next."""
+    netns: str
+    cgroup_root: str
+    run: str
+    work: str
+    holder: int | None = None
+    containerd: int | None = None
+    pids: list[int] = field(default_factory=list)  # the others' process groups, newest first
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    def ours(self, pid: int | None) -> bool:
+        """Still the process recorded (a killed run's pid may have been reused): the holder
+        is in the node's network namespace, the others name its folders."""
+        if pid is None or not alive(pid):
+            return False
+        try:
+            if pid == self.holder:
+                return (os.stat(f"/proc/{pid}/ns/net").st_ino
+                        == os.stat(f"/run/netns/{self.netns}").st_ino)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return False
+        return self.run in cmdline or self.work in cmdline
