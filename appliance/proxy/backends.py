@@ -104,11 +104,6 @@ class PrefillBackend(Backend):
         return super().in_rotation and bool(self.engine_ids)
 
     @property
-    def decoding(self) -> int:
-        """Requests whose decode steps a prefill run here now would stall."""
-        return max(0, self.decodes - self.prefilling)
-
-    @property
     def held(self) -> int:
         return max(self.in_flight, self.transfers)
 

@@ -325,7 +325,7 @@ class Placement:
         c = self.prefill.coefficients()
         return None if c is None else c[1] * tokens
 
-    def _p_prefills_fit(self, on_p: int, limit_s: float, p_idle: bool = False) -> bool:
+    def _p_prefills_fit(self, on_p: int, limit_s: float, p_idle: bool) -> bool:
         """This prompt's prefill compute, and that of P_ALONE_SHARE of the latest, within
         `limit_s`: what P's whole requests would wait for, step by step. `p_idle`: nothing
         decodes on P, so this prompt's prefill stalls no one, however long (a burst of
@@ -346,10 +346,11 @@ class Placement:
         cached_p = 0 if prefix is None else prefix.on(p.url)
         cached_d = 0 if prefix is None else prefix.on(d.url)
         now = time.monotonic()
-        e = (self.estimates(tokens, p, d, now, cached_p, cached_d) if self.split == "auto"
+        auto = self.split == "auto"
+        e = (self.estimates(tokens, p, d, now, cached_p, cached_d) if auto
              else Estimates(tokens, None, None, 0, None))
         decision = replace(decide(self.split, e), cached_p=cached_p, cached_d=cached_d,
-                           estimates=e if self.split == "auto" else None)
+                           estimates=e if auto else None)
         key = (decision.where, decision.reason)
         self.counts[key] = self.counts.get(key, 0) + 1
         self._recent.add(decision.where, now)

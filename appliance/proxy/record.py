@@ -135,7 +135,6 @@ class Record:
             out += f" tokenize_ms={self.prefix.tokenize_s * 1000:.1f}"
         return out
 
-
     def _weighed(self) -> str:
         """What `auto` weighed: each placement's first token, the ITL budget, and the
         decodes running on P and D (ms; "-" where not measured yet)."""

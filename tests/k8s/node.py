@@ -169,7 +169,7 @@ class Node:
 
 
 def _broken_file(store: Path) -> Path:
-    return store.with_name(store.name + ".broken")
+    return store.parent / f"{store.name}.broken"
 
 
 def _traces_file(store: Path) -> Path:
