@@ -30,6 +30,7 @@ from appliance.process import (
     kv_cache_flags,
     vllm_serve_argv,
 )
+from appliance.proxy.prefix.tokenizer import folder_of
 
 
 @dataclass
@@ -143,6 +144,7 @@ class LocalNode:
                 [sys.executable, "-m", "appliance.proxy", "--host", s.proxy_host or s.host,
                  "--port", str(s.proxy_port), "--prefill", f"{s.prefill_url},{s.bootstrap_url}",
                  "--decode", s.decode_url, *self._proxy_keys(), *self._tracing_args(),
+                 *self._tokenizer_args(),
                  # within ServiceProcess.stop's 20 s before SIGKILL
                  "--drain-grace", "10", *s.proxy_args],
                 s.log_dir / "proxy.log", health_url=f"{s.proxy_url}/health")
@@ -152,6 +154,12 @@ class LocalNode:
         s = self.spec
         return (["--otlp-traces-endpoint", s.otlp_traces_endpoint, "--otlp-traces-protocol",
                  s.otlp_traces_protocol] if s.otlp_traces_endpoint else [])
+
+    def _tokenizer_args(self) -> list[str]:
+        """The model's tokenizer for the proxy, which runs beside the engines here: it
+        tokenizes prompts for its prefix index without a round trip to D."""
+        folder = folder_of(str(self.spec.model))
+        return ["--tokenizer", folder] if folder else []
 
     def _proxy_keys(self) -> list[str]:
         k = self.spec.keys

@@ -86,6 +86,7 @@ WORKLOADS = {
                                          "turn prompt tokens, 32 out",)),
 }
 SETUPS = ("always", "auto")
+ENGINE_TOKENIZER = "auto-dtok"
 ONE_CORE = "plain-1cpu"
 
 
@@ -206,6 +207,9 @@ def main() -> None:
     parser.add_argument("--access-log", action="store_true",
                         help="the proxies' access lines (each request's placement) in their "
                              "logs under --log-dir")
+    parser.add_argument("--engine-tokenizer", action="store_true",
+                        help=f"also auto with a proxy that asks D's /tokenize for the prefix "
+                             f"index ({ENGINE_TOKENIZER}) instead of tokenizing in process")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -215,6 +219,9 @@ def main() -> None:
         model = tinymodel.build(ROOT / ".cache" / "models" / work.model, work.model)
         setups = [*(appliance_setup(model, args.log_dir, split, split, args.access_log)
                     for split in SETUPS),
+                  *([appliance_setup(model, args.log_dir, "auto", ENGINE_TOKENIZER,
+                                     args.access_log, tokenizer=False)]
+                    if args.engine_tokenizer else []),
                   plain_setup(model, args.log_dir),
                   *([plain_setup(model, args.log_dir, ONE_CORE, (0,))] if args.one_core
                     else [])]
@@ -266,7 +273,8 @@ def main() -> None:
         table.add_column("metric")
         for setup in rows:
             table.add_column(setup, justify="right")
-        for setup in SETUPS:
+        compared = [s for s in (*SETUPS, ENGINE_TOKENIZER) if s in rows]
+        for setup in compared:
             table.add_column(f"{setup} / plain", justify="right")
         table.add_column("auto / always", justify="right")
         if ONE_CORE in rows:
@@ -274,7 +282,7 @@ def main() -> None:
         for key in rows["plain"]:
             p = rows["plain"][key]
             cells = [f"{rows[s][key]:.2f}" for s in rows]
-            cells += [_ratio(rows[s][key], p) for s in SETUPS]
+            cells += [_ratio(rows[s][key], p) for s in compared]
             cells.append(_ratio(rows["auto"][key], rows["always"][key]))
             if ONE_CORE in rows:  # a rate doubles over two engines; latencies do not
                 cells.append(_ratio(2 * rows[ONE_CORE][key], p)

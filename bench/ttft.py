@@ -48,6 +48,7 @@ from appliance.process import (  # noqa: E402
     cpu_env,
     vllm_serve_argv,
 )
+from appliance.proxy.prefix.tokenizer import folder_of  # noqa: E402
 from appliance.proxy.split import COMPLETIONS, decode_body, prefill_body  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
@@ -143,18 +144,22 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
 
 
 def appliance_setup(model: Path, log_dir: Path, split: str = "always",
-                    name: str = "appliance", log_requests: bool = False) -> Setup:
+                    name: str = "appliance", log_requests: bool = False,
+                    tokenizer: bool = True) -> Setup:
     """The appliance as users meet it: our proxy (P's token first) in front of a P and D of
     its own (shared servers would see each prompt twice: a prefix-cache hit). `split`:
     the proxy's placement policy (always: every request through P, as this benchmark
-    measures); `log_requests`: the proxy's access lines in its log."""
+    measures); `log_requests`: the proxy's access lines in its log; `tokenizer`: the proxy
+    tokenizes prompts itself, as `pdctl up --local` has it (else it asks D's /tokenize)."""
     servers = ours_setup(model, log_dir, name=name)
+    folder = folder_of(str(model)) if tokenizer else None
     port = free_port()
     proxy = ServiceProcess(
         f"{name}-proxy", [sys.executable, "-m", "appliance.proxy", "--host", "127.0.0.1",
                           "--port", str(port), "--prefill",
                           f"{servers.prefill_url},{servers.bootstrap_url}",
                           "--decode", str(servers.decode_url), "--split", split,
+                          *(("--tokenizer", folder) if folder else ()),
                           *(() if log_requests else ("--no-log-requests",))],
         log_dir / f"{name}-proxy.log", health_url=f"http://127.0.0.1:{port}/health")
     return Setup(name, [*servers.services, proxy], proxy_url=f"http://127.0.0.1:{port}",

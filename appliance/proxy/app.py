@@ -130,7 +130,7 @@ class Proxy:
             self.prefix = PrefixCache(self.session, self.base_headers,
                                       lambda: [b.url for b in self.backends.all()],
                                       s.prefix_hash_seed, s.kv_events_resync_s,
-                                      s.tokenize_timeout_s)
+                                      s.tokenize_timeout_s, s.tokenizer)
             self.prefix.start()
         if self.settings.discovery == "kubernetes":
             # Nodes come and go with the pods; the poller checks each new one at once.
@@ -362,10 +362,11 @@ class Proxy:
     async def _lookup(self, body: dict[str, Any], rec: Record,
                       prefills: list[PrefillBackend], estimate: int) -> Lookup | None:
         """The prompt's cached share on every node in rotation, from the prefix index, before
-        P and D are picked by it. Its ids come from the least busy D's /tokenize: a D must
-        answer the request anyway, where a frozen P would hold every request for
-        tokenize_timeout_s (a loaded D's API server takes longer: 8-30 ms measured here
-        with 8 streams on one core, against 2-3 ms idle; the access line's tokenize_ms)."""
+        P and D are picked by it. Its ids come from the proxy's own tokenizer when it has
+        one, else from the least busy D's /tokenize: a D must answer the request anyway,
+        where a frozen P would hold every request for tokenize_timeout_s (a loaded D's API
+        server takes longer: 8-30 ms measured here with 8 streams on one core, against
+        2-3 ms idle; the access line's tokenize_ms)."""
         assert self.prefix is not None
         decodes = self.backends.ready_decode()
         if not decodes:

@@ -21,6 +21,7 @@ from appliance.deadlines import (
 )
 from appliance.netaddr import host_port
 from appliance.proxy.k8s_settings import DEFAULT_BOOTSTRAP_PORT, KubernetesSettings, http_url
+from appliance.proxy.prefix.tokenizer import folder_error
 
 # Adaptive disaggregation's policy (appliance.proxy.placement).
 Split = Literal["always", "never", "auto"]
@@ -160,6 +161,10 @@ class ProxySettings(BaseModel):
     kv_events_resync_s: float = Field(5.0, gt=0)
     # The longest a request waits for a node's /tokenize before it is placed without it.
     tokenize_timeout_s: float = Field(0.5, gt=0)
+    # The model's tokenizer folder (tokenizer.json, its chat template): prompts are tokenized
+    # in the proxy's process, checked against a D's /tokenize now and then
+    # (appliance.proxy.prefix.tokenizer). Unset: every prompt asks a D's /tokenize.
+    tokenizer: str | None = None
 
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Bearer keys for the /v1/ routes; empty: no auth.
@@ -186,7 +191,6 @@ class ProxySettings(BaseModel):
     # One log line per request; off in benchmarks.
     log_requests: bool = True
 
-
     @model_validator(mode="after")
     def _discovery(self, info: ValidationInfo) -> ProxySettings:
         if self.discovery == "kubernetes":
@@ -207,6 +211,8 @@ class ProxySettings(BaseModel):
                                              "bootstrap_token_file")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tokenizer is not None and (why := folder_error(self.tokenizer)):
+            raise ValueError(f"tokenizer: {why}")
         return self
 
     @property
@@ -342,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokens (default on)")
     p.add_argument("--prefix-hash-seed", metavar="SEED",
                    help="the engines' PYTHONHASHSEED, if they run with one")
+    p.add_argument("--tokenizer", metavar="FOLDER",
+                   help="the model's tokenizer folder: tokenize prompts for the prefix index "
+                        "in process instead of asking a D's /tokenize")
     p.add_argument("--max-body-bytes", type=int, metavar="BYTES")
     p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
                    help=f"accepted Bearer key (repeatable; also ${API_KEYS_ENV}, comma-separated)")

@@ -25,7 +25,8 @@ PREDICTED = "pd_proxy_prefix_predicted_hits_total"
 
 @pytest.fixture(scope="module")
 def auto(pd_node, tmp_path_factory):
-    svc, url = second_proxy(pd_node, tmp_path_factory.mktemp("proxy-prefix"))
+    svc, url = second_proxy(pd_node, tmp_path_factory.mktemp("proxy-prefix"),
+                            "--tokenizer", str(pd_node.spec.model))
     svc.start()
     try:
         svc.wait_healthy(60)
@@ -116,6 +117,10 @@ async def test_predicted_hits_are_the_engines_hits(pd_node, auto):
     index = await _settled(url, (p, d))
     assert all(r["usable"] and r["mismatched"] == 0 and r["verified"] > 0
                for n in (p, d) for r in index[n].values()), index
+    # The proxy tokenized the text prompts in process, and checked each (the first of each
+    # kind are) against D's /tokenize: the same ids.
+    tokenizer = _status(url)["prefix"]["tokenizer"]
+    assert tokenizer == {"where": "proxy", "checked": {"completion": 2, "chat": 3}}, tokenizer
 
 
 async def test_a_burst_on_one_prefix_is_predicted(pd_node, auto):

@@ -5,7 +5,9 @@ request's lookup against it (how many of its prompt tokens each node would not c
 - `wire`: the events as vLLM sends them (msgpack);
 - `index`: what each engine holds, by its events (pure, no sockets);
 - `events`: the ZMQ subscriptions that feed it, with replay and resync;
-- `tokens`: a prompt's token ids through a node's /tokenize.
+- `tokens`: a prompt's token ids through a node's /tokenize;
+- `tokenizer`: the same ids in process, from the model's tokenizer folder, checked against
+  /tokenize.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import aiohttp
 from appliance.proxy.prefix import hashing
 from appliance.proxy.prefix.events import KVEvents
 from appliance.proxy.prefix.index import PrefixIndex
+from appliance.proxy.prefix.tokenizer import Checks, InProcess, TokenizerUnavailable
 from appliance.proxy.prefix.tokens import token_ids, tokenize_body
 
 log = logging.getLogger("appliance.proxy.prefix")
@@ -57,18 +60,28 @@ class Lookup:
 class PrefixCache:
     def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str],
                  nodes: Callable[[], Iterable[str]], seed: str, resync_s: float,
-                 tokenize_timeout_s: float) -> None:
+                 tokenize_timeout_s: float, tokenizer: str | None = None) -> None:
         self.session = session
         self.headers = headers
         self.index = PrefixIndex(seed)
         self.events = KVEvents(self.index, nodes, session, headers, resync_s)
         self.timeout = aiohttp.ClientTimeout(total=tokenize_timeout_s)
         self.tokenize_failures = 0
+        self.local: InProcess | None = None
+        self.checks = Checks()
+        self._checking: set[asyncio.Task[None]] = set()
+        if tokenizer is not None:
+            try:
+                self.local = InProcess(tokenizer)
+            except TokenizerUnavailable as exc:
+                log.warning("prompts are tokenized by a D's /tokenize, not in process: %s", exc)
 
     def start(self) -> None:
         self.events.start()
 
     async def stop(self) -> None:
+        for task in list(self._checking):
+            task.cancel()
         await self.events.stop()
 
     async def lookup(self, body: dict[str, Any], route: str, estimate: int, ask: str,
@@ -84,7 +97,9 @@ class PrefixCache:
         if what is None:
             return None
         started = time.monotonic()
-        ids = what if isinstance(what, list) else await self._tokenize(ask, what)
+        ids = what if isinstance(what, list) else self._in_process(ask, what)
+        if ids is None and isinstance(what, dict):
+            ids = await self._tokenize(ask, what)
         if ids is None:
             return None
         took = time.monotonic() - started
@@ -115,6 +130,27 @@ class PrefixCache:
         """Whether `url`'s engine caches every one of these blocks now (its KV events)."""
         return bool(hashes) and self.index.cached_blocks(url, hashes) >= len(hashes)
 
+    def _in_process(self, ask: str, what: dict[str, Any]) -> list[int] | None:
+        """The ids by the proxy's own tokenizer (None: it has none, or cannot render this
+        prompt as vLLM would); some are checked against `ask`'s /tokenize afterwards."""
+        if self.local is None:
+            return None
+        ids = self.local.ids(what)
+        kind = "chat" if "messages" in what else "completion"
+        if ids is not None and self.checks.due(kind):
+            task = asyncio.create_task(self._check(ask, what, kind, ids))
+            self._checking.add(task)
+            task.add_done_callback(self._checking.discard)
+        return ids
+
+    async def _check(self, ask: str, what: dict[str, Any], kind: str, ids: list[int]) -> None:
+        engine = await self._tokenize(ask, what)
+        if engine is None or self.local is None or self.checks.compare(kind, ids, engine):
+            return
+        self.local = None
+        log.warning("the proxy's tokenizer differs from %s's /tokenize (%s): prompts are "
+                    "tokenized by a D from now on", ask, self.checks.differed)
+
     async def _tokenize(self, url: str, what: dict[str, Any]) -> list[int] | None:
         try:
             async with self.session.post(f"{url}/tokenize", json=what, headers=self.headers,
@@ -127,9 +163,15 @@ class PrefixCache:
         self.tokenize_failures += 1
         return None
 
+    def _tokenizer_state(self) -> dict[str, Any]:
+        where = "proxy" if self.local is not None else "decode"
+        return {"where": where, "checked": self.checks.agreed,
+                **({"differed": self.checks.differed} if self.checks.differed else {})}
+
     def forget(self, url: str, why: str) -> None:
         self.index.drop(url, why)
 
     def describe(self) -> dict[str, Any]:
         return {"nodes": self.index.describe(), "tokenize_failures": self.tokenize_failures,
+                "tokenizer": self._tokenizer_state(),
                 "undecodable_batches": self.events.undecodable}
