@@ -21,7 +21,6 @@ from appliance.deadlines import (
 )
 from appliance.netaddr import host_port
 from appliance.proxy.k8s_settings import DEFAULT_BOOTSTRAP_PORT, KubernetesSettings, http_url
-from appliance.proxy.prefix.tokenizer import folder_error
 
 # Adaptive disaggregation's policy (appliance.proxy.placement).
 Split = Literal["always", "never", "auto"]
@@ -163,7 +162,9 @@ class ProxySettings(BaseModel):
     tokenize_timeout_s: float = Field(0.5, gt=0)
     # The model's tokenizer folder (tokenizer.json, its chat template): prompts are tokenized
     # in the proxy's process, checked against a D's /tokenize now and then
-    # (appliance.proxy.prefix.tokenizer). Unset: every prompt asks a D's /tokenize.
+    # (appliance.proxy.prefix.tokenizer). Unset, or a folder without a tokenizer.json (the
+    # proxy warns at its start; the folder is read where the proxy runs, not where its
+    # settings are rendered): every prompt asks a D's /tokenize.
     tokenizer: str | None = None
 
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
@@ -211,8 +212,6 @@ class ProxySettings(BaseModel):
                                              "bootstrap_token_file")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
-        if self.tokenizer is not None and (why := folder_error(self.tokenizer)):
-            raise ValueError(f"tokenizer: {why}")
         return self
 
     @property

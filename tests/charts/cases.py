@@ -51,7 +51,8 @@ EVERY_OPTION: dict[str, Any] = {
     "decode": {"topologySpread": {"enabled": False}},
     "proxy": {"service": {"type": "NodePort", "nodePort": 30800,
                           "annotations": {"team": "serving"}},
-              "extraArgs": ["--log-level", "debug"], "podAnnotations": {"team": "serving"}},
+              "extraArgs": ["--log-level", "debug"], "podAnnotations": {"team": "serving"},
+              "tokenizer": True},
     "transfer": {"internalNetworks": ["192.168.0.0/16"]},
     "networkPolicy": {"ingressFrom": [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "monitoring"}}}]},

@@ -294,6 +294,21 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
         assert float(got["--itl-slo-ms"]) == v["proxy"]["itlSloMs"]
     else:
         assert "--itl-slo-ms" not in got
+    # proxy.tokenizer: the model's volume, mounted as P and D mount it, and its path.
+    proxy_pod = pod(workload(docs, "proxy"))
+    model_mounts = [m for m in container(workload(docs, "proxy"), "proxy")["volumeMounts"]
+                    if m["name"] == "model"]
+    if v["proxy"].get("tokenizer"):
+        assert got["--tokenizer"] == v["model"]["path"]
+        vllm_pod = pod(workload(docs, "decode"))
+        assert [x for x in proxy_pod["volumes"] if x["name"] == "model"] == \
+            [x for x in vllm_pod["volumes"] if x["name"] == "model"]
+        assert model_mounts == [m for m in container(workload(docs, "decode"), "vllm")[
+            "volumeMounts"] if m["name"] == "model"]
+        assert model_mounts[0]["readOnly"] is True
+    else:
+        assert "--tokenizer" not in got and not model_mounts
+        assert all(x["name"] != "model" for x in proxy_pod["volumes"])
     assert got["--backend-api-key-file"] == f"{KEYS_DIR}/{node_keys.API_KEY}"
     assert got["--bootstrap-token-file"] == f"{KEYS_DIR}/{node_keys.BOOTSTRAP_TOKEN}"
     assert got["--side-channel-key-file"] == f"{KEYS_DIR}/{node_keys.SIDE_CHANNEL_KEY}"

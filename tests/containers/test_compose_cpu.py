@@ -187,6 +187,11 @@ def test_greedy_output_through_containers_equals_a_plain_server(engine, node, ex
     assert after.get("decode.receive_failures", 0) == 0
     assert st["split"]["policy"] == "auto"
     assert sum(st["split"]["last_minute"].values()) >= len(expected)
+    # The slim image's proxy tokenized the prompts with the model's own tokenizer (its
+    # folder mounted), and its ids were D's own.
+    tokenizer = httpx.get(node["proxy"] + "/status", timeout=10).json()["prefix"]["tokenizer"]
+    assert tokenizer["where"] == "proxy" and "differed" not in tokenizer, tokenizer
+    assert sum(tokenizer["checked"].values()) >= 1, tokenizer
 
 
 def test_nothing_listens_on_a_wildcard_but_the_proxy_and_mooncake(engine, node):

@@ -178,6 +178,29 @@ livenessProbe:
   failureThreshold: 6
 {{- end -}}
 
+{{/* The model's volume (P, D, and the proxies with proxy.tokenizer), and its mount. */}}
+{{- define "pd-appliance.modelVolume" -}}
+- name: model
+{{- if eq .model.volume.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .model.volume.claimName }}
+    readOnly: true
+{{- else }}
+  hostPath:
+    path: {{ .model.volume.hostPath }}
+    type: Directory
+{{- end }}
+{{- end -}}
+
+{{- define "pd-appliance.modelMount" -}}
+- name: model
+  mountPath: {{ .model.path }}
+  readOnly: true
+  {{- with .model.volume.subPath }}
+  subPath: {{ . }}
+  {{- end }}
+{{- end -}}
+
 {{- define "pd-appliance.vllmVolumes" -}}
 {{- $ctx := index . 0 -}}
 {{- $v := $ctx.Values -}}
@@ -187,16 +210,7 @@ livenessProbe:
   emptyDir:
     medium: Memory
     sizeLimit: {{ $r.shmSize }}
-- name: model
-{{- if eq $v.model.volume.type "pvc" }}
-  persistentVolumeClaim:
-    claimName: {{ $v.model.volume.claimName }}
-    readOnly: true
-{{- else }}
-  hostPath:
-    path: {{ $v.model.volume.hostPath }}
-    type: Directory
-{{- end }}
+{{ include "pd-appliance.modelVolume" $v }}
 {{- if eq (index . 1) "prefill" }}
 - name: bootstrap-tmp
   emptyDir: {}

@@ -60,12 +60,7 @@ spec:
           volumeMounts:
             {{- include "pd-appliance.keysMount" $ctx | nindent 12 }}
             - {name: shm, mountPath: /dev/shm}
-            - name: model
-              mountPath: {{ $v.model.path }}
-              readOnly: true
-              {{- with $v.model.volume.subPath }}
-              subPath: {{ . }}
-              {{- end }}
+            {{- include "pd-appliance.modelMount" $v | nindent 12 }}
         {{- if eq $role "prefill" }}
         {{- include "pd-appliance.bootstrapContainer" $ctx | nindent 8 }}
         {{- end }}

@@ -75,9 +75,10 @@ def test_unusable_folders_are_named(tmp_path, tiny_model):
         InProcess(str(tmp_path / "none"))
     assert folder_of(str(tiny_model)) == str(tiny_model.resolve())
     assert folder_of("no-such-org/no-such-model") is None
-    with pytest.raises(ValueError, match="tokenizer: .* has no tokenizer.json"):
-        load_settings(["--prefill", "http://p", "--decode", "http://d",
-                       "--tokenizer", str(tmp_path)], environ={})
+    # Read where the proxy runs (not where its settings are rendered): an unusable folder
+    # is warned of at its start, and D's /tokenize serves.
+    flags = ["--prefill", "http://p", "--decode", "http://d", "--tokenizer"]
+    assert load_settings([*flags, str(tmp_path)], environ={}).tokenizer == str(tmp_path)
 
 
 def test_checks_take_the_first_prompts_of_each_kind_then_one_in_every():
@@ -158,3 +159,11 @@ def test_the_local_node_gives_the_proxy_its_models_tokenizer(tiny_model, tmp_pat
     assert node.proxy is not None
     argv = node.proxy.argv
     assert argv[argv.index("--tokenizer") + 1] == str(tiny_model.resolve())
+
+
+def test_a_folder_without_a_fast_tokenizer_leaves_it_to_d(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, "appliance.proxy.prefix"):
+        cache = PrefixCache(None, {}, lambda: (), hashing.DEFAULT_SEED, 5.0, 1.0,  # type: ignore[arg-type]
+                            str(tmp_path))
+    assert cache.local is None and "has no tokenizer.json" in caplog.text
+    assert cache.describe()["tokenizer"] == {"where": "decode", "checked": {}}
