@@ -29,6 +29,10 @@ from appliance.proxy.prefix.tokens import token_ids, tokenize_body
 
 log = logging.getLogger("appliance.proxy.prefix")
 
+# Prompts up to this many tokens (estimated) are tokenized on the proxy's loop (at most a
+# few ms); longer ones in a thread.
+INLINE_TOKENS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
@@ -97,7 +101,7 @@ class PrefixCache:
         if what is None:
             return None
         started = time.monotonic()
-        ids = what if isinstance(what, list) else self._in_process(ask, what)
+        ids = what if isinstance(what, list) else await self._in_process(ask, what, estimate)
         if ids is None and isinstance(what, dict):
             ids = await self._tokenize(ask, what)
         if ids is None:
@@ -130,12 +134,17 @@ class PrefixCache:
         """Whether `url`'s engine caches every one of these blocks now (its KV events)."""
         return bool(hashes) and self.index.cached_blocks(url, hashes) >= len(hashes)
 
-    def _in_process(self, ask: str, what: dict[str, Any]) -> list[int] | None:
+    async def _in_process(self, ask: str, what: dict[str, Any],
+                          estimate: int) -> list[int] | None:
         """The ids by the proxy's own tokenizer (None: it has none, or cannot render this
-        prompt as vLLM would); some are checked against `ask`'s /tokenize afterwards."""
-        if self.local is None:
+        prompt as vLLM would); some are checked against `ask`'s /tokenize afterwards. A
+        long prompt is tokenized in a thread: about 2 ms per 1,000 tokens would hold every
+        other request's stream."""
+        local = self.local
+        if local is None:
             return None
-        ids = self.local.ids(what)
+        ids = (local.ids(what) if estimate <= INLINE_TOKENS
+               else await asyncio.to_thread(local.ids, what))
         kind = "chat" if "messages" in what else "completion"
         if ids is not None and self.checks.due(kind):
             task = asyncio.create_task(self._check(ask, what, kind, ids))

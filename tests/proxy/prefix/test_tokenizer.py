@@ -118,7 +118,7 @@ async def _cache(tiny_model, shift: int) -> tuple[PrefixCache, _FakeD, TestServe
 async def _lookups(cache: PrefixCache, url: str, n: int) -> None:
     for i in range(n):
         body = {"model": "tiny", "prompt": f"prompt {i} " + "the cache holds tokens " * 20}
-        assert cache._in_process(url, body) is not None or cache.local is None
+        assert await cache._in_process(url, body, 100) is not None or cache.local is None
         await asyncio.sleep(0.05)  # the checks run after the lookup, off its path
 
 
@@ -159,6 +159,27 @@ def test_the_local_node_gives_the_proxy_its_models_tokenizer(tiny_model, tmp_pat
     assert node.proxy is not None
     argv = node.proxy.argv
     assert argv[argv.index("--tokenizer") + 1] == str(tiny_model.resolve())
+
+
+async def test_a_long_prompt_is_tokenized_off_the_loop(tiny_model, monkeypatch):
+    cache, fake, server = await _cache(tiny_model, shift=0)
+    threads = []
+
+    async def to_thread(fn, *args):
+        threads.append(fn)
+        return fn(*args)
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        body = {"model": "tiny", "prompt": "the cache holds tokens " * 2000}
+        ids = await cache._in_process(url, body, 8000)
+        assert ids == cache.local.ids(body) and len(threads) == 1
+        await cache._in_process(url, {"model": "tiny", "prompt": "short"}, 2)
+        assert len(threads) == 1
+    finally:
+        await cache.stop()
+        await cache.session.close()
+        await server.close()
 
 
 def test_a_folder_without_a_fast_tokenizer_leaves_it_to_d(tmp_path, caplog):
