@@ -27,6 +27,7 @@ from appliance.process import (
     ServiceFailed,
     ServiceProcess,
     cpu_env,
+    decode_chunk_flags,
     kv_cache_flags,
     vllm_serve_argv,
 )
@@ -64,6 +65,9 @@ class NodeSpec:
     # the proxy export to this OTLP endpoint; None: off.
     otlp_traces_endpoint: str | None = None
     otlp_traces_protocol: str = DEFAULT_PROTOCOL
+    # D's longest prefill chunk while other requests run (tokens; 0: no cap;
+    # appliance.process.decode_chunk_flags).
+    decode_prefill_chunk: int = 0
     # Extra vLLM flags per role (appended, so they override the defaults above).
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
@@ -177,7 +181,8 @@ class LocalNode:
                                extra=(*CPU_EAGER, *kv_cache_flags(self.kv_bytes), *guard,
                                       *KV_EVENTS_FLAGS, *self._tracing_args()[:2],
                                       *(s.prefill_args if role == "kv_producer"
-                                        else s.decode_args)))
+                                        else (*decode_chunk_flags(s.decode_prefill_chunk),
+                                              *s.decode_args))))
         role_env = s.prefill_env if role == "kv_producer" else s.decode_env
         own_env = {API_KEY_FILE_ENV: str(s.keys.api_key)} if s.secure else {}
         if s.otlp_traces_endpoint:  # vLLM's own exporter and the connector's read these

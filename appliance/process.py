@@ -138,6 +138,13 @@ CPU_EAGER = ("--enforce-eager",)
 CPU_BLOCK_SIZE = 32
 
 
+def decode_chunk_flags(tokens: int) -> tuple[str, ...]:
+    """D's longest prefill chunk while other requests run (vLLM's long-prefill token
+    threshold): a prompt D computes itself (split=auto's local) then stalls D's decodes a
+    chunk per step, not its whole prefill. 0: no cap (vLLM's default)."""
+    return ("--long-prefill-token-threshold", str(tokens)) if tokens else ()
+
+
 def kv_cache_flags(nbytes: int) -> tuple[str, ...]:
     return ("--kv-cache-memory-bytes", str(int(nbytes)))
 

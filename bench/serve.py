@@ -207,6 +207,9 @@ def main() -> None:
     parser.add_argument("--access-log", action="store_true",
                         help="the proxies' access lines (each request's placement) in their "
                              "logs under --log-dir")
+    parser.add_argument("--decode-chunk", type=int, default=0, metavar="TOKENS",
+                        help="D's longest prefill chunk while others run, in the appliance "
+                             "setups (host config model.decode_prefill_chunk; 0: no cap)")
     parser.add_argument("--engine-tokenizer", action="store_true",
                         help=f"also auto with a proxy that asks D's /tokenize for the prefix "
                              f"index ({ENGINE_TOKENIZER}) instead of tokenizing in process")
@@ -217,10 +220,12 @@ def main() -> None:
     for name in args.workloads.split(","):
         work = WORKLOADS[name]
         model = tinymodel.build(ROOT / ".cache" / "models" / work.model, work.model)
-        setups = [*(appliance_setup(model, args.log_dir, split, split, args.access_log)
+        setups = [*(appliance_setup(model, args.log_dir, split, split, args.access_log,
+                                    decode_chunk=args.decode_chunk)
                     for split in SETUPS),
                   *([appliance_setup(model, args.log_dir, "auto", ENGINE_TOKENIZER,
-                                     args.access_log, tokenizer=False)]
+                                     args.access_log, tokenizer=False,
+                                     decode_chunk=args.decode_chunk)]
                     if args.engine_tokenizer else []),
                   plain_setup(model, args.log_dir),
                   *([plain_setup(model, args.log_dir, ONE_CORE, (0,))] if args.one_core

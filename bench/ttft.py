@@ -46,6 +46,7 @@ from appliance.process import (  # noqa: E402
     KV_EVENTS_FLAGS,
     ServiceProcess,
     cpu_env,
+    decode_chunk_flags,
     vllm_serve_argv,
 )
 from appliance.proxy.prefix.tokenizer import folder_of  # noqa: E402
@@ -88,12 +89,14 @@ class Setup:
 
 
 def serve(name: str, model: Path, port: int, cpus: tuple[int, ...], log_dir: Path,
-          kv_config: dict | None = None, env: dict | None = None) -> ServiceProcess:
+          kv_config: dict | None = None, env: dict | None = None,
+          args: tuple[str, ...] = ()) -> ServiceProcess:
     # The appliance's P and D publish KV events for the proxy's prefix index, as pdctl's do.
     events = KV_EVENTS_FLAGS if kv_config and kv_config["kv_connector"] == "PDConnector" else ()
     argv = vllm_serve_argv(model, port, served_model_name=SERVED, block_size=32,
                            max_model_len=4096,
-                           extra=(*FLAGS, *tinymodel.spec_of(model).serve_args, *events),
+                           extra=(*FLAGS, *tinymodel.spec_of(model).serve_args, *events,
+                                  *args),
                            kv_transfer_config=json.dumps(kv_config) if kv_config else None)
     return ServiceProcess(name, argv, log_dir / f"{name}.log",
                           env={**cpu_env(",".join(map(str, cpus))), **(env or {})},
@@ -108,10 +111,12 @@ def plain_setup(model: Path, log_dir: Path) -> Setup:
 
 def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                cpu_push_delay_ms: float | None = None, name: str | None = None,
-               code: Path | None = None, extra: dict | None = None) -> Setup:
+               code: Path | None = None, extra: dict | None = None,
+               decode_chunk: int = 0) -> Setup:
     """`code`: a checkout whose appliance package the setup's processes import instead
     (ours at another commit, for a before/after in one run); `extra`: more of the
-    connector's settings."""
+    connector's settings; `decode_chunk`: D's longest prefill chunk while others run
+    (appliance.process.decode_chunk_flags)."""
     env = {"PYTHONPATH": str(code)} if code is not None else None
     bport, pport, dport = free_port(), free_port(), free_port()
     if name is None:
@@ -134,7 +139,8 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                                               **(extra or {})}}
     services = [boot, serve(f"{name}-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0"),
                             env),
-                serve(f"{name}-d", model, dport, (1,), log_dir, cfg("kv_consumer", "d0"), env)]
+                serve(f"{name}-d", model, dport, (1,), log_dir, cfg("kv_consumer", "d0"), env,
+                      decode_chunk_flags(decode_chunk))]
     if code is not None:
         for svc in services:  # the working directory comes first on sys.path
             svc.cwd = code
@@ -145,13 +151,13 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
 
 def appliance_setup(model: Path, log_dir: Path, split: str = "always",
                     name: str = "appliance", log_requests: bool = False,
-                    tokenizer: bool = True) -> Setup:
+                    tokenizer: bool = True, decode_chunk: int = 0) -> Setup:
     """The appliance as users meet it: our proxy (P's token first) in front of a P and D of
     its own (shared servers would see each prompt twice: a prefix-cache hit). `split`:
     the proxy's placement policy (always: every request through P, as this benchmark
     measures); `log_requests`: the proxy's access lines in its log; `tokenizer`: the proxy
     tokenizes prompts itself, as `pdctl up --local` has it (else it asks D's /tokenize)."""
-    servers = ours_setup(model, log_dir, name=name)
+    servers = ours_setup(model, log_dir, name=name, decode_chunk=decode_chunk)
     folder = folder_of(str(model)) if tokenizer else None
     port = free_port()
     proxy = ServiceProcess(

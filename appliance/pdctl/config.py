@@ -59,6 +59,7 @@ MANAGED_FLAGS = {
     "--kv-cache-memory-bytes": "model.kv_cache_bytes",
     "--kv-events-config": "proxy.prefix_index (P and D always publish KV events)",
     "--prefix-caching-hash-algo": "proxy.prefix_index (sha256_cbor, the proxy's hashing)",
+    "--long-prefill-token-threshold": "model.decode_prefill_chunk",
 }
 Stack = Literal["gpu", "cpu"]
 # The CPU build's attention backend works on blocks of a multiple of 32 tokens.
@@ -120,6 +121,10 @@ class ModelSection(_Section):
     # CPU stack: bytes of KV cache per server (default: sized from the model's config for a
     # few requests of max_model_len tokens; see appliance.kvbudget).
     kv_cache_bytes: int | None = Field(None, ge=1 << 20)
+    # D's longest prefill chunk while other requests run (tokens; 0: no cap): a prompt that
+    # split=auto has D compute itself stalls D's decodes a chunk per step, not its whole
+    # prefill (README, bench/serve.py --decode-chunk).
+    decode_prefill_chunk: int = Field(0, ge=0)
     extra_args: list[str] = Field(default_factory=list)
 
     def tp(self, role: str) -> int:

@@ -52,6 +52,7 @@ def _model(desc: ClusterDescription) -> dict[str, Any]:
         "extraArgs": list(m.extra_args),
         "prefillExtraArgs": list(m.prefill_extra_args),
         "decodeExtraArgs": list(m.decode_extra_args),
+        "decodePrefillChunk": m.decode_prefill_chunk,
         "volume": {"type": "hostPath", "hostPath": m.path},
     }
     for key, value in (("blockSize", m.block_size), ("maxModelLen", m.max_model_len),

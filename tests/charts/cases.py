@@ -32,7 +32,7 @@ EVERY_OPTION: dict[str, Any] = {
                "vllm": {"repository": "registry.local:5000/pd/vllm", "tag": "1.2"}},
     "model": {"servedName": "qwen", "blockSize": 64, "maxModelLen": 8192,
               "extraArgs": ["--enforce-eager"], "prefillExtraArgs": ["--max-num-seqs", "8"],
-              "decodeExtraArgs": ["--max-num-seqs=64"],
+              "decodeExtraArgs": ["--max-num-seqs=64"], "decodePrefillChunk": 256,
               "volume": {"type": "hostPath", "hostPath": "/data/models", "subPath": "qwen"}},
     "prefill": {
         "extraEnv": [{"name": "NCCL_DEBUG", "value": "INFO"}],

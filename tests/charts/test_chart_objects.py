@@ -294,6 +294,15 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
         assert float(got["--itl-slo-ms"]) == v["proxy"]["itlSloMs"]
     else:
         assert "--itl-slo-ms" not in got
+    # model.decodePrefillChunk: D's flag only.
+    chunk = v["model"].get("decodePrefillChunk") or 0
+    decode_args = container(workload(docs, "decode"), "vllm")["args"]
+    if chunk:
+        assert flag(decode_args, "--long-prefill-token-threshold") == str(chunk)
+    else:
+        assert "--long-prefill-token-threshold" not in decode_args
+    assert "--long-prefill-token-threshold" not in container(workload(docs, "prefill"),
+                                                             "vllm")["args"]
     # proxy.tokenizer: the model's volume, mounted as P and D mount it, and its path.
     proxy_pod = pod(workload(docs, "proxy"))
     model_mounts = [m for m in container(workload(docs, "proxy"), "proxy")["volumeMounts"]

@@ -84,6 +84,10 @@ BAD = [
     ("model", "decode_extra_args", '["--kv-transfer-config={}"]',
      "model.decode_extra_args: --kv-transfer-config is set by pdctl"),
     ("model", "gpu_memory_utilization", "1.5", "model.gpu_memory_utilization: Input should be"),
+    ("model", "decode_prefill_chunk", "-1", "model.decode_prefill_chunk: Input should be"),
+    ("model", "decode_extra_args", '["--long-prefill-token-threshold=64"]',
+     "model.decode_extra_args: --long-prefill-token-threshold is set by pdctl (use "
+     "model.decode_prefill_chunk)"),
     ("ports", "metrics", "9000", "ports.metrics: unknown key"),
     ("timeouts", "startup_s", "0", "timeouts.startup_s: Input should be greater than 0"),
     ("tracing", "otlp_endpoint", '"collector:4317"',

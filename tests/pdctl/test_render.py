@@ -212,6 +212,7 @@ max_model_len = 4096
 extra_args = ["--enable-prefix-caching"]
 prefill_extra_args = ["--compilation-config", '{"level": 3}', "--x", "it's $HOME"]
 decode_extra_args = ["--max-num-seqs", "64"]
+decode_prefill_chunk = 256
 ''')
     out = render(toml)
     model = resolved(out)
@@ -231,6 +232,9 @@ decode_extra_args = ["--max-num-seqs", "64"]
     assert flag(p, "--compilation-config") == '{"level": 3}'
     assert flag(p, "--x").replace("$$", "$") == "it's $HOME"
     assert flag(s["decode"]["command"], "--max-num-seqs") == "64"
+    # D's prefill chunk: D's flag only (P prefills whole prompts as fast as it can).
+    assert flag(s["decode"]["command"], "--long-prefill-token-threshold") == "256"
+    assert "--long-prefill-token-threshold" not in p
     assert flag(p, "--port") == "9010" and flag(s["decode"]["command"], "--port") == "9020"
     assert kv_config(p)["kv_connector_extra_config"]["bootstrap_addr"] == \
         "http://10.0.0.11:9998"
