@@ -23,6 +23,7 @@ from appliance.observability.tracing import DEFAULT_PROTOCOL, ENDPOINT_ENV, PROT
 from appliance.process import (
     CPU_BLOCK_SIZE,
     CPU_EAGER,
+    DECODE_PREFILL_CHUNK,
     KV_EVENTS_FLAGS,
     ServiceFailed,
     ServiceProcess,
@@ -66,8 +67,8 @@ class NodeSpec:
     otlp_traces_endpoint: str | None = None
     otlp_traces_protocol: str = DEFAULT_PROTOCOL
     # D's longest prefill chunk while other requests run (tokens; 0: no cap;
-    # appliance.process.decode_chunk_flags).
-    decode_prefill_chunk: int = 0
+    # appliance.process.decode_chunk_flags): the CPU stack's default.
+    decode_prefill_chunk: int = DECODE_PREFILL_CHUNK["cpu"]
     # Extra vLLM flags per role (appended, so they override the defaults above).
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()

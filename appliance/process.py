@@ -138,6 +138,12 @@ CPU_EAGER = ("--enforce-eager",)
 CPU_BLOCK_SIZE = 32
 
 
+# D's default prefill chunk per stack: on this CPU build the kvbench model computes 128
+# tokens in about 90 ms, within the ITL budget of 3 decode steps (README); on a GPU a
+# 512-token chunk of a common model takes a few ms to tens of ms (not measured here).
+DECODE_PREFILL_CHUNK = {"gpu": 512, "cpu": 128}
+
+
 def decode_chunk_flags(tokens: int) -> tuple[str, ...]:
     """D's longest prefill chunk while other requests run (vLLM's long-prefill token
     threshold): a prompt D computes itself (split=auto's local) then stalls D's decodes a

@@ -56,6 +56,7 @@ from ttft import SERVED, SETTLE_S, Setup, appliance_setup, serve  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
 from appliance.pdctl.status import metric_samples  # noqa: E402
+from appliance.process import DECODE_PREFILL_CHUNK  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 console = Console(stderr=True)
@@ -207,9 +208,11 @@ def main() -> None:
     parser.add_argument("--access-log", action="store_true",
                         help="the proxies' access lines (each request's placement) in their "
                              "logs under --log-dir")
-    parser.add_argument("--decode-chunk", type=int, default=0, metavar="TOKENS",
+    parser.add_argument("--decode-chunk", type=int, default=DECODE_PREFILL_CHUNK["cpu"],
+                        metavar="TOKENS",
                         help="D's longest prefill chunk while others run, in the appliance "
-                             "setups (host config model.decode_prefill_chunk; 0: no cap)")
+                             "setups (host config model.decode_prefill_chunk; default: the "
+                             "CPU stack's; 0: no cap)")
     parser.add_argument("--engine-tokenizer", action="store_true",
                         help=f"also auto with a proxy that asks D's /tokenize for the prefix "
                              f"index ({ENGINE_TOKENIZER}) instead of tokenizing in process")

@@ -43,6 +43,7 @@ from gitref import checkout  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
 from appliance.process import (  # noqa: E402
+    DECODE_PREFILL_CHUNK,
     KV_EVENTS_FLAGS,
     ServiceProcess,
     cpu_env,
@@ -151,12 +152,14 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
 
 def appliance_setup(model: Path, log_dir: Path, split: str = "always",
                     name: str = "appliance", log_requests: bool = False,
-                    tokenizer: bool = True, decode_chunk: int = 0) -> Setup:
+                    tokenizer: bool = True,
+                    decode_chunk: int = DECODE_PREFILL_CHUNK["cpu"]) -> Setup:
     """The appliance as users meet it: our proxy (P's token first) in front of a P and D of
     its own (shared servers would see each prompt twice: a prefix-cache hit). `split`:
     the proxy's placement policy (always: every request through P, as this benchmark
     measures); `log_requests`: the proxy's access lines in its log; `tokenizer`: the proxy
-    tokenizes prompts itself, as `pdctl up --local` has it (else it asks D's /tokenize)."""
+    tokenizes prompts itself, as `pdctl up --local` has it (else it asks D's /tokenize);
+    `decode_chunk`: D's prefill chunk (the CPU stack's default)."""
     servers = ours_setup(model, log_dir, name=name, decode_chunk=decode_chunk)
     folder = folder_of(str(model)) if tokenizer else None
     port = free_port()

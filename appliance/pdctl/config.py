@@ -39,6 +39,7 @@ from appliance.pdctl.sections import (  # noqa: F401 - re-exported: the config's
     _safe_path,
     _Section,
 )
+from appliance.process import DECODE_PREFILL_CHUNK
 from appliance.proxy.settings import RoutingPolicy
 
 try:
@@ -123,8 +124,9 @@ class ModelSection(_Section):
     kv_cache_bytes: int | None = Field(None, ge=1 << 20)
     # D's longest prefill chunk while other requests run (tokens; 0: no cap): a prompt that
     # split=auto has D compute itself stalls D's decodes a chunk per step, not its whole
-    # prefill (README, bench/serve.py --decode-chunk).
-    decode_prefill_chunk: int = Field(0, ge=0)
+    # prefill (README, bench/serve.py --decode-chunk). Default: 512 on the GPU stack, 128 on
+    # the CPU stack.
+    decode_prefill_chunk: int | None = Field(None, ge=0)
     extra_args: list[str] = Field(default_factory=list)
 
     def tp(self, role: str) -> int:
@@ -301,6 +303,11 @@ class HostConfig(_Section):
     @property
     def block_size(self) -> int:
         return self.model.block_size or DEFAULT_BLOCK_SIZE[self.stack]
+
+    @property
+    def decode_prefill_chunk(self) -> int:
+        chunk = self.model.decode_prefill_chunk
+        return DECODE_PREFILL_CHUNK[self.stack] if chunk is None else chunk
 
     @property
     def vllm_image(self) -> str:

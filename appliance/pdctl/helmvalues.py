@@ -52,11 +52,11 @@ def _model(desc: ClusterDescription) -> dict[str, Any]:
         "extraArgs": list(m.extra_args),
         "prefillExtraArgs": list(m.prefill_extra_args),
         "decodeExtraArgs": list(m.decode_extra_args),
-        "decodePrefillChunk": m.decode_prefill_chunk,
         "volume": {"type": "hostPath", "hostPath": m.path},
     }
     for key, value in (("blockSize", m.block_size), ("maxModelLen", m.max_model_len),
-                       ("kvCacheBytes", m.kv_cache_bytes)):
+                       ("kvCacheBytes", m.kv_cache_bytes),
+                       ("decodePrefillChunk", m.decode_prefill_chunk)):
         if value is not None:
             out[key] = value
     return out

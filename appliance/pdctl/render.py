@@ -155,7 +155,7 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_OTLP_TRACES_PROTOCOL": cfg.tracing.protocol,
         **(observability.env(cfg) if cfg.cluster is None else {}),
         "PD_PREFILL_ARGS": shlex.join([*common, *m.prefill_extra_args]),
-        "PD_DECODE_ARGS": shlex.join([*common, *decode_chunk_flags(m.decode_prefill_chunk),
+        "PD_DECODE_ARGS": shlex.join([*common, *decode_chunk_flags(cfg.decode_prefill_chunk),
                                       *m.decode_extra_args]),
         "PD_PROXY_ARGS": shlex.join(proxy_args(cfg, out_dir)),
         "PD_PROXY_BACKENDS": shlex.join(proxy_backends(cfg)),

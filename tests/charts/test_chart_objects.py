@@ -295,7 +295,9 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
     else:
         assert "--itl-slo-ms" not in got
     # model.decodePrefillChunk: D's flag only.
-    chunk = v["model"].get("decodePrefillChunk") or 0
+    chunk = v["model"].get("decodePrefillChunk")
+    if chunk is None:  # the stack's default
+        chunk = 128 if v["stack"] == "cpu" else 512
     decode_args = container(workload(docs, "decode"), "vllm")["args"]
     if chunk:
         assert flag(decode_args, "--long-prefill-token-threshold") == str(chunk)

@@ -76,6 +76,10 @@ def test_cpu_defaults_block_32_and_the_cpu_image():
     gpu = parse_config({"host": {"ip": "10.0.0.1"}, "model": {"path": "/m"},
                         "transfer": {"device": "mlx5_0"}})
     assert (gpu.block_size, gpu.vllm_image) == (16, "pd-appliance/vllm:0.1.0")
+    # D's prefill chunk per stack, and 0 (no cap) when asked
+    assert (cfg.decode_prefill_chunk, gpu.decode_prefill_chunk) == (128, 512)
+    assert parse_config(base(model={"path": "/m", "decode_prefill_chunk": 0})
+                        ).decode_prefill_chunk == 0
 
 
 def test_cpu_stack_problems_each_on_a_line():

@@ -135,6 +135,10 @@ def test_default_rdma_host(render):
         assert (svc["environment"]["MC_MIN_RPC_PORT"], svc["environment"]["MC_MAX_RPC_PORT"]) \
             == ("17000", "17199")
         assert ("--middleware" in argv) == (role == "decode")
+        if role == "decode":  # the GPU stack's prefill chunk; P's prefills are whole
+            assert flag(argv, "--long-prefill-token-threshold") == "512"
+        else:
+            assert "--long-prefill-token-threshold" not in argv
         assert flag(argv, "--port") == str(port) and flag(argv, "--served-model-name") == "qwen"
         assert flag(argv, "--tensor-parallel-size") == "1"
         assert flag(argv, "--block-size") == "16"

@@ -77,6 +77,9 @@ class PrefixCache:
         if tokenizer is not None:
             try:
                 self.local = InProcess(tokenizer)
+                log.info("prompts are tokenized in process with %s's tokenizer (chat "
+                         "template: %s)", tokenizer,
+                         "yes" if self.local.template is not None else "none, D's /tokenize")
             except TokenizerUnavailable as exc:
                 log.warning("prompts are tokenized by a D's /tokenize, not in process: %s", exc)
 

@@ -122,7 +122,7 @@ class InProcess:
             self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
             config_file = path / "tokenizer_config.json"
             config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        except (OSError, ValueError, Exception) as exc:  # tokenizers raises plain Exception
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
             raise TokenizerUnavailable(f"{folder}: {exc}") from exc
         self.special = _special_tokens(config)
         self.template: Any = None

@@ -58,7 +58,8 @@ lifecycle:
       "--host" "$(POD_IP)" "--port" (toString (int (index $v.ports $role))) -}}
 {{- if eq $role "decode" -}}
 {{- $args = concat $args (list "--middleware" "appliance.connector.httpguard.KVParamsGuard") -}}
-{{- if gt (int64 $m.decodePrefillChunk) 0 }}{{ $args = concat $args (list "--long-prefill-token-threshold" (toString (int64 $m.decodePrefillChunk))) }}{{ end -}}
+{{- $chunk := ternary (ternary 128 512 (eq $v.stack "cpu")) $m.decodePrefillChunk (kindIs "invalid" $m.decodePrefillChunk) -}}
+{{- if gt (int64 $chunk) 0 }}{{ $args = concat $args (list "--long-prefill-token-threshold" (toString (int64 $chunk))) }}{{ end -}}
 {{- end -}}
 {{- $block := $m.blockSize | default (ternary 32 16 (eq $v.stack "cpu")) -}}
 {{- $args = concat $args (list "--tensor-parallel-size" (include "pd-appliance.tp" .)

@@ -159,12 +159,12 @@ def test_the_local_node_gives_the_proxy_its_models_tokenizer(tiny_model, tmp_pat
     assert node.proxy is not None
     argv = node.proxy.argv
     assert argv[argv.index("--tokenizer") + 1] == str(tiny_model.resolve())
-    # (and D's prefill chunk only when asked: appliance.process.decode_chunk_flags)
-    assert "--long-prefill-token-threshold" not in node.decode.argv
-    chunked = LocalNode(NodeSpec(model=tiny_model, log_dir=tmp_path, decode_prefill_chunk=128))
-    d_argv, p_argv = chunked.decode.argv, chunked.prefill.argv
+    # (and D's prefill chunk, the CPU stack's default; P's prefills are whole)
+    d_argv, p_argv = node.decode.argv, node.prefill.argv
     assert d_argv[d_argv.index("--long-prefill-token-threshold") + 1] == "128"
     assert "--long-prefill-token-threshold" not in p_argv
+    whole = LocalNode(NodeSpec(model=tiny_model, log_dir=tmp_path, decode_prefill_chunk=0))
+    assert "--long-prefill-token-threshold" not in whole.decode.argv
 
 
 async def test_a_long_prompt_is_tokenized_off_the_loop(tiny_model, monkeypatch):
