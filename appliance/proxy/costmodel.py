@@ -2,7 +2,8 @@
 
 Pure arithmetic, no clocks: callers pass the numbers they observed. Each estimator forgets
 slowly (a weight per sample that decays), so a node that warms up, or slows down under
-other work, is followed within tens of requests.
+other work, is followed within tens of requests. `prompt_size` reads a request's prompt
+size from its body (token ids given, characters of text) for `TokensPerChar`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from appliance.proxy.split import CHAT
 
 # A sample's weight falls by this factor per later sample: about the last 20-40 count.
 FORGET = 0.95
@@ -116,3 +119,31 @@ class StepTimes:
             return None
         ordered = sorted(self._recent)
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+
+
+def prompt_size(body: dict[str, Any], route: str) -> tuple[int, int]:
+    """(token ids given, characters of text) of a request's prompt."""
+    ids = chars = 0
+    if route == CHAT:
+        for m in body.get("messages") or ():
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+        return 0, chars
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return 0, len(prompt)
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int):
+            return len(prompt), 0
+        for p in prompt:  # several prompts: each is prefilled
+            if isinstance(p, str):
+                chars += len(p)
+            elif isinstance(p, list):
+                ids += len(p)
+    return ids, chars

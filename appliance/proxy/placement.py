@@ -10,10 +10,11 @@ Policy `split`: `always` (every request remote), `never` (every one local) or `a
 sooner of the two by the node's own measurements, unless a local prefill would stall D's
 running decodes past the ITL budget (by its compute, the fitted line's per-token part: the
 fixed part of a first token is HTTP and scheduling, which those decodes do not wait for);
-P serves whole requests while D decodes more of them than P does and its recent prefills
-are short (this prompt's and three in five of the latest, within four budgets; a P
-that is asked for long prefills decodes nothing, so they stall no one). What `auto` weighs
-(appliance.proxy.costmodel):
+P serves whole requests while D decodes more of them than P does (or as many, when P's
+cache holds more of the prompt) and its recent prefills are short (this prompt's, and
+three in five of the latest prompts' as P computed them, D's counting as none: within four
+budgets; a P that is asked for long prefills decodes nothing, so they stall no one). What
+`auto` weighs (appliance.proxy.costmodel):
 
 - the prompt's tokens that each node would compute: exact when the prefix index has
   them (appliance.proxy.prefix: the engines' own KV events, the prompt's ids from
@@ -26,7 +27,13 @@ that is asked for long prefills decodes nothing, so they stall no one). What `au
   their samples are pooled, and what tells them apart is the work queued on each (two
   lines from a few noisy samples each would decide an idle node by noise);
 - the handoff (transfer + D's first step): D's first token after P's answer;
-- the ITL budget: `itl_slo_ms`, or 3x D's unstalled time per streamed token.
+- the ITL budget: `itl_slo_ms`, or 3x D's unstalled time per streamed token;
+- work done twice: a node that computes prompt tokens the other one's cache holds (a
+  shared prefix, a conversation's history) spends compute the node as a whole did not
+  need. Half of that compute is added to its estimate: each engine would otherwise have
+  had its half of it for the requests behind. Without it, a burst of prompts on a few new
+  prefixes goes to whichever node is free a few ms sooner, each prefix is computed on both,
+  and the burst ends later than on the one server, which computes each prefix once.
 
 Every decision is counted by outcome and reason, written on the access line, and the
 last minute's split is in /status.
@@ -40,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from appliance.proxy.backends import Backend
-from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
+from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.settings import Split
 from appliance.proxy.split import CHAT
@@ -61,6 +68,9 @@ RECENT_PROMPTS = 16
 # last answer) computes in about two, and D decoded nearly every conversation (README).
 P_ALONE_FIT = 4.0
 P_ALONE_SHARE = 0.6
+# The share of the compute spent on tokens the other node holds that counts against a
+# placement (the module's doc): one of the node's two engines' worth.
+DUPLICATE_SHARE = 0.5
 
 Where = Literal["remote", "local", "p_alone"]
 
@@ -94,6 +104,10 @@ class Estimates:
     # balances (None: the decoding counts above).
     p_placed: int | None = None
     d_placed: int | None = None
+    # Computing on P (P alone, remote) or on D (local) the prompt's tokens that the other
+    # node's cache holds: DUPLICATE_SHARE of that compute, added to the estimate it weighs.
+    p_dup_s: float = 0.0
+    d_dup_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +157,16 @@ def decide(split: Split, e: Estimates) -> Decision:
     budget = e.itl_budget_s or 0.0
     p_placed = e.p_decodes if e.p_placed is None else e.p_placed
     d_placed = e.decodes_running if e.d_placed is None else e.d_placed
-    if (e.alone_s is not None and e.p_prefills_fit and p_placed < d_placed
-            and e.alone_s <= max(budget, e.local_s)):
-        # D's decodes outnumber P's: P takes this one whole, no later than D would start it.
+    # What each placement costs: its first token, and its share of work done twice.
+    local, remote = e.local_s + e.d_dup_s, e.remote_s + e.p_dup_s
+    # D's decodes outnumber P's, or they are even and P's cache holds more of the prompt:
+    # its alternatives compute on P all the same (remote), or twice (local). Ties to D
+    # alone would send P's overflow to D, and D's never to P (measured: D decoded 60% of a
+    # shared-prefix workload whose prefixes were split evenly).
+    fewer = p_placed < d_placed or (p_placed == d_placed and e.d_dup_s > 0)
+    if (e.alone_s is not None and e.p_prefills_fit and fewer
+            and e.alone_s + e.p_dup_s <= max(budget, local)):
+        # P takes this one whole, no later than D would start it.
         return Decision("p_alone", "balance", e.tokens)
     d_adds = e.local_s if e.local_stall_s is None else e.local_stall_s
     if e.decodes_running and d_adds > budget:
@@ -153,38 +174,10 @@ def decide(split: Split, e: Estimates) -> Decision:
         # Remote's prefill stalls P's decodes (whole requests P serves) likewise.
         p_adds = e.alone_s if e.alone_stall_s is None else e.alone_stall_s
         p_stall = max(0.0, (p_adds or 0.0) - budget) * e.p_decodes
-        if e.remote_s + p_stall - e.local_s > stall:
+        if remote + p_stall - local > stall:
             return Decision("local", "backlog", e.tokens)
         return Decision("remote", "itl_budget", e.tokens)
-    return Decision("local" if e.local_s <= e.remote_s else "remote", "sooner", e.tokens)
-
-
-def prompt_size(body: dict[str, Any], route: str) -> tuple[int, int]:
-    """(token ids given, characters of text) of a request's prompt."""
-    ids = chars = 0
-    if route == CHAT:
-        for m in body.get("messages") or ():
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
-        return 0, chars
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return 0, len(prompt)
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, int):
-            return len(prompt), 0
-        for p in prompt:  # several prompts: each is prefilled
-            if isinstance(p, str):
-                chars += len(p)
-            elif isinstance(p, list):
-                ids += len(p)
-    return ids, chars
+    return Decision("local" if local <= remote else "remote", "sooner", e.tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -258,8 +251,9 @@ class Placement:
         self.counts: dict[tuple[str, str], int] = {}
         self._recent = _Recent()
         self._queues: dict[str, dict[Ticket, None]] = {}  # per node URL, oldest first
-        # The latest prompts' computed tokens, on whichever node computed them: whether the
-        # workload is one of long prefills (a conversation cached on D is not).
+        # The tokens P computed for each of the latest prompts (0 for those D computed):
+        # whether P is asked for long prefills, which would stall its whole requests (a
+        # conversation cached on D, or a burst of first turns D computes, does not).
         self._prompts: deque[int] = deque(maxlen=RECENT_PROMPTS)
 
     def tokens(self, body: dict[str, Any], route: str) -> tuple[int, int]:
@@ -305,7 +299,8 @@ class Placement:
                                                           p.decoding == 0)
         return Estimates(tokens, remote, local, running, budget, alone, p.decoding, fit,
                          self._compute(on_d), self._compute(on_p), self.prefill_deadline_s,
-                         p.decodes, d.decodes)
+                         p.decodes, d.decodes, self._duplicate(cached_d - cached_p),
+                         self._duplicate(cached_p - cached_d))
 
     def _arriving(self, d: Backend, by: float) -> int:
         """Requests waiting for a P's prefill (any P's) that D then decodes, P's answer due
@@ -324,6 +319,10 @@ class Placement:
         """The compute part of a prefill of `tokens` (see Estimates.local_stall_s)."""
         c = self.prefill.coefficients()
         return None if c is None else c[1] * tokens
+
+    def _duplicate(self, tokens: int) -> float:
+        """What computing `tokens` the other node holds costs (see Estimates.p_dup_s)."""
+        return DUPLICATE_SHARE * (self._compute(tokens) or 0.0) if tokens > 0 else 0.0
 
     def _p_prefills_fit(self, on_p: int, limit_s: float, p_idle: bool) -> bool:
         """This prompt's prefill compute, and that of P_ALONE_SHARE of the latest, within
@@ -357,7 +356,7 @@ class Placement:
         node, cached = (d, cached_d) if decision.where == "local" else (p, cached_p)
         queue = self._queues.setdefault(node.url, {})
         work = tokens - cached
-        self._prompts.append(work)
+        self._prompts.append(work if node is p else 0)
         serving = p if decision.where == "p_alone" else d
         marks = decision.where == "remote" or body.get("stream") is True
         ticket = Ticket(node, self.prefill, work, cached, node.prefill_tokens, now, queue,

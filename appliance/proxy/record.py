@@ -143,7 +143,9 @@ class Record:
             return ""
         return (f" est_ms=remote:{_ms(e.remote_s, 0)},local:{_ms(e.local_s, 0)},"
                 f"p_alone:{_ms(e.alone_s, 0)} budget_ms={_ms(e.itl_budget_s, 0)} "
-                f"decodes={e.p_decodes}/{e.decodes_running}")
+                f"decodes={e.p_decodes}/{e.decodes_running}"
+                + (f" dup_ms=p:{_ms(e.p_dup_s, 0)},d:{_ms(e.d_dup_s, 0)}"
+                   if e.p_dup_s or e.d_dup_s else ""))
 
 
 def _ms(seconds: float | None, digits: int = 1) -> str:

@@ -11,9 +11,10 @@ import pytest
 from pydantic import ValidationError
 
 from appliance.proxy.backends import Backend
-from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar
-from appliance.proxy.placement import Estimates, Placement, Ticket, decide, prompt_size
+from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
+from appliance.proxy.placement import Decision, Estimates, Placement, Ticket, decide
 from appliance.proxy.prefix import Lookup
+from appliance.proxy.record import Record
 from appliance.proxy.settings import load_settings
 from tests.proxy.conftest import MakeCluster
 
@@ -289,6 +290,98 @@ def test_prompts_d_had_cached_count_as_short_for_ps_share() -> None:
         ticket.close(0.0, learn=False)
     d.decodes = 3
     assert place.estimates(120, p, d, 0.0).p_prefills_fit  # a new conversation's turn fits
+
+
+@pytest.mark.parametrize("computed_on,fits", [("d", True), ("p", False)])
+def test_only_the_long_prefills_p_computed_keep_it_from_whole_requests(
+        computed_on: str, fits: bool) -> None:
+    """Eight long first turns, then short later turns: long prompts that D computed stall
+    none of P's whole requests, so P may take the next short turns whole at once (D held
+    every conversation's decode for half a round otherwise); long ones P computed do."""
+    place = Placement("auto", itl_slo_ms=100)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (100, 1000):
+        place.prefill.observe(n, n * 0.001)
+    place.handoff.observe(100, 0.01)
+    busy = p if computed_on == "d" else d  # the other node is far behind: not chosen
+    busy.prefill_tokens = 20_000
+    for _ in range(8):
+        decision, ticket, _ = place.choose({"prompt": list(range(600))}, "/v1/completions",
+                                           p, d)
+        assert (decision.where == "local") is (computed_on == "d")
+        ticket.close(0.0, learn=False)
+    busy.prefill_tokens = 0
+    d.decodes = 3
+    assert place.estimates(120, p, d, 0.0).p_prefills_fit is fits
+
+
+def _burst(order: str) -> dict[str, int]:
+    """The prompt tokens P and D compute for a burst of 896-token prompts on 768-token
+    prefixes (`order`: each prompt's prefix), after short ones, as the proxy places them."""
+    place = Placement("auto", itl_slo_ms=83)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (128, 512, 1024):  # the line measured on bench/serve.py's prefix workload
+        place.prefill.observe(n, 0.122 + n * 0.000717)
+    place.handoff.observe(896, 0.25)
+    for _ in range(16):
+        place._prompts.append(128)
+    holds: dict[str, set[str]] = {}
+    work = {"p": 0, "d": 0}
+    for prefix in order:
+        on = holds.setdefault(prefix, set())  # where it is computed (the expected blocks)
+        lookup = Lookup(896, {b.url: 768 if b.url in on else 0 for b in (p, d)})
+        decision, _, _ = place.choose({"prompt": "x", "stream": True}, "/v1/completions",
+                                      p, d, lookup)
+        node = d if decision.where == "local" else p
+        work[node.role[0]] += 896 - lookup.on(node.url)
+        on.add(node.url)
+        (p if decision.on_prefill else d).decodes += 1
+    return work
+
+
+@pytest.mark.parametrize("order", ["ABCDABCD", "AABBCCDD", "ABACBDCD", "ABCADBCD"])
+def test_a_burst_on_new_prefixes_computes_each_prefix_once(
+        order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight prompts at once on four new prefixes (bench/serve.py's prefix workload): the
+    prompts of one prefix go where its first is computed, so the node computes each prefix
+    once, as the one server does, split evenly between P and D. Without the share of work
+    done twice (the rule as it was), a prompt went wherever it would start a few ms sooner,
+    and the node computed prefixes on both (measured on that workload: the burst ended
+    0.4 s after the one server's)."""
+    assert _burst(order) == {"p": 2048, "d": 2048}  # 4 x 768 + 8 x 128, halved
+    monkeypatch.setattr("appliance.proxy.placement.DUPLICATE_SHARE", 0.0)
+    if order == "AABBCCDD":
+        assert _burst(order) == {"p": 3584, "d": 3584}
+
+
+def test_work_done_twice_counts_half_against_a_placement() -> None:
+    """D holds 768 of the prompt's 896 tokens; P is idle and D has 800 tokens queued. P
+    alone would answer first (896 tokens against D's 928), but computes 768 tokens D
+    already holds: half of that compute (0.384 s) counts against it, and D takes it."""
+    place = Placement("auto", itl_slo_ms=100)
+    p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+    for n in (100, 1000):
+        place.prefill.observe(n, n * 0.001)
+    place.handoff.observe(100, 0.01)
+    d.decodes, d.prefill_tokens = 3, 800
+    e = place.estimates(896, p, d, 0.0, cached_p=0, cached_d=768)
+    assert (e.p_dup_s, e.d_dup_s) == (pytest.approx(0.384), 0.0)
+    assert e.alone_s is not None and e.local_s is not None and e.alone_s < e.local_s
+    assert decide("auto", replace(e, decodes_running=0)).where == "local"
+    assert decide("auto", replace(e, decodes_running=0, p_dup_s=0.0)).where == "p_alone"
+    # D far behind (3,000 tokens queued): P computes it, prefix and all.
+    d.prefill_tokens = 3000
+    e = place.estimates(896, p, d, 0.0, cached_p=0, cached_d=768)
+    assert decide("auto", replace(e, decodes_running=0)).where != "local"
+
+
+def test_the_access_line_shows_work_done_twice() -> None:
+    rec = Record("/v1/completions", "r1", 0.0)
+    e = Estimates(896, 0.9, 0.2, 1, 0.08, 0.3, 0, True, p_dup_s=0.276)
+    rec.placed = Decision("local", "sooner", 896, 0, 768, e)
+    assert rec._weighed().endswith(" decodes=0/1 dup_ms=p:276,d:0")
+    rec.placed = Decision("local", "sooner", 896, 0, 0, replace(e, p_dup_s=0.0))
+    assert rec._weighed().endswith(" decodes=0/1")  # nothing held twice: no field
 
 
 def test_settings_refuse_bad_values_in_one_line() -> None:
