@@ -53,7 +53,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from appliance.connector.scheduler import PDScheduler
 
-            self.scheduler = PDScheduler(self.settings, groups)
+            self.scheduler = PDScheduler(self.settings, groups,
+                                         getattr(kv_cache_config, "hash_block_size", None))
         else:
             from appliance.connector.worker import PDWorker
 

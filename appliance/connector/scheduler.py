@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.connector import engine_wait, faults
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
 from appliance.connector.planning.groups import KVGroup, needed_blocks
+from appliance.connector.prefixwait import PrefillsInFlight
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.spans import traceparent_of
 from appliance.deadlines import MAX_RECV_MS
@@ -73,7 +74,8 @@ def pull_block_ids(new_blocks: list[int], held: int, covered: int,
 
 
 class PDScheduler:
-    def __init__(self, settings: ConnectorSettings, groups: list[KVGroup]) -> None:
+    def __init__(self, settings: ConnectorSettings, groups: list[KVGroup],
+                 hash_block_size: int | None = None) -> None:
         self.settings = settings
         self.groups = groups  # one per KV-cache group, in vLLM's order
         self.kv_cache_manager: KVCacheManager | None = None
@@ -84,6 +86,11 @@ class PDScheduler:
         self._recving: dict[str, str] = {}
         self._pulled: OrderedDict[str, None] = OrderedDict()
         self._meta = PDConnectorMetadata()
+        # Both roles: the requests computing their prompts, which a request sharing their
+        # prefix waits for. Their block hashes' granularity is vLLM's hash_block_size (the
+        # KV cache config's), else the smallest group's block.
+        self._prefills = PrefillsInFlight(hash_block_size
+                                          or min(g.block_size for g in groups))
         # Tests only (PD_FAULT_INJECTION): a producer that holds new prefills back.
         self._faults = faults.from_env() if settings.is_producer else None
 
@@ -96,6 +103,12 @@ class PDScheduler:
             if (self._faults is not None and params and params.get("do_remote_decode")
                     and self._faults.holding_prefills()):
                 return None, False  # fault injection: waits in the queue, as in a backlog
+            if self.settings.shared_prefix_wait:
+                other = self._prefills.computing_for(request, num_computed_tokens)
+                if other is not None:
+                    log.debug("req %s: waits for req %s, which computes its prefix",
+                              request.request_id, other)
+                    return None, False
             return 0, False
         if self.settings.is_producer:
             log.warning("req %s: do_remote_prefill sent to a producer; computing locally",
@@ -128,6 +141,8 @@ class PDScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            self._prefills.admitted(request)
         params = request.kv_transfer_params
         if not params:
             return
@@ -165,6 +180,7 @@ class PDScheduler:
 
     def request_finished(self, request: Request,
                          block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        self._prefills.finished(request.request_id)
         params = request.kv_transfer_params
         if not params:
             return False, None

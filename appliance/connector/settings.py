@@ -86,6 +86,10 @@ class ConnectorSettings(BaseModel):
     # the push's copies do not compete with the step's own sampling and output on the same
     # cores. 0 pushes at once. KV in GPU memory always goes at once (DMA, no CPU copies).
     cpu_push_delay_ms: float = Field(20.0, ge=0)
+    # Both roles: a prompt whose next blocks another request of the engine is computing
+    # waits for them instead of computing the shared prefix again
+    # (appliance.connector.prefixwait). False: vLLM's own behaviour.
+    shared_prefix_wait: bool = True
     # Descriptors per batch write to one peer (Mooncake TCP rejects very large batches).
     max_batch_descs: int = Field(1024, ge=1)
     # Consumer: if set, only these bootstrap addresses may be named by a request.

@@ -29,6 +29,7 @@ class Req:
     kv_transfer_params: dict[str, Any]
     num_computed_tokens: int = 0
     status: Status = Status.FINISHED_LENGTH_CAPPED
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ from tests.e2e.observe import metric
 pytestmark = pytest.mark.slow
 
 HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
 PREDICTED = "pd_proxy_prefix_predicted_hits_total"
 
 
@@ -151,6 +152,25 @@ async def test_a_burst_on_one_prefix_is_predicted(pd_node, auto):
         assert predicted == hits, (node, got)
     cached = re.findall(r" cached=(\d+)/(\d+)/\d+", log_text(log_path))[seen:]
     assert any(max(int(cp), int(cd)) >= 256 for cp, cd in cached), cached
+
+
+async def test_a_burst_on_shared_prefixes_computes_each_prefix_once(pd_node):
+    """Four prompts on two new prefixes, sent at once to D, which chunks its prefills
+    (decode_prefill_chunk): a prompt whose prefix another one is computing waits for it
+    (appliance.connector.prefixwait), so D computes each prefix once, as a server that does
+    not chunk would. Without the wait, vLLM lets the later prompt compute the chunks not yet
+    scheduled itself, and both compute the prefix."""
+    d = pd_node.spec.decode_url
+    prefixes = [token_prompt(512, seed=5_160_001 + k) for k in range(2)]
+    before = metric(d, QUERIES) - metric(d, HITS)
+    async with aiohttp.ClientSession() as http:
+        answers = await asyncio.gather(*(
+            ask(http, d, {"model": "tiny", "max_tokens": 4, "temperature": 0,
+                          "prompt": prefixes[i % 2] + token_prompt(40, seed=5_160_010 + i)})
+            for i in range(4)))
+    assert all(status == 200 for status, _ in answers), answers
+    computed = metric(d, QUERIES) - metric(d, HITS) - before
+    assert computed == 2 * (512 + 40) + 2 * 40, computed
 
 
 async def test_evictions_under_pressure_are_followed(pd_node, auto):
