@@ -14,7 +14,6 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from appliance.pdctl import clustercmd
 from appliance.pdctl import config as cfgmod
 from appliance.pdctl.clibase import (
     Env,
@@ -24,11 +23,12 @@ from appliance.pdctl.clibase import (
     env_of,
     load_host_config,
 )
+from appliance.pdctl.cluster import cmd as clustercmd
 from appliance.pdctl.config import HostConfig, load_config
 from appliance.pdctl.draincmd import drain
 from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
 from appliance.pdctl.initcmd import init
-from appliance.pdctl.topcmd import top
+from appliance.pdctl.top.cmd import top
 
 __all__ = ["Env", "cli", "main"]
 
@@ -219,7 +219,7 @@ def logs(ctx: click.Context, service: str | None, config_path: Path | None, loca
          run_dir: Path | None, follow: bool, tail: int) -> None:
     """Print a service's log (every service's when SERVICE is left out): bootstrap, prefill,
     decode, proxy; on a cluster host prefill-0, decode-1, ... as it runs them."""
-    from appliance.pdctl.clustercompose import service_names
+    from appliance.pdctl.cluster.compose import service_names
     from appliance.pdctl.status import SERVICES
 
     if follow and service is None:
@@ -242,7 +242,7 @@ def logs(ctx: click.Context, service: str | None, config_path: Path | None, loca
                 click.echo(f"==> {name} <==")
             follow_file(path, tail, follow, click.echo)
         return
-    from appliance.pdctl.dockerapi import DockerApi
+    from appliance.pdctl.compose.dockerapi import DockerApi
 
     assert cfg is not None
     api = DockerApi.connect()
@@ -291,7 +291,7 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
                          bootstrap_token=_read_quietly(token_file))
     else:
         from appliance.pdctl.compose import container_states
-        from appliance.pdctl.dockerapi import DockerApi, DockerUnavailable
+        from appliance.pdctl.compose.dockerapi import DockerApi, DockerUnavailable
 
         cfg, path = load_host_config(config_path, env, host_checks=False)
         if cfg.cluster is not None:

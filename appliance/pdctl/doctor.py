@@ -10,7 +10,7 @@ import ipaddress
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from appliance.pdctl.composebin import MIN_COMPOSE, version_tuple
+from appliance.pdctl.compose.binary import MIN_COMPOSE, version_tuple
 from appliance.pdctl.config import HostConfig, PortsSection
 from appliance.pdctl.host import HostProbe, Memlock
 
@@ -77,7 +77,7 @@ def _ranges(values: list[int]) -> str:
 
 
 # What compose.yaml needs: Engine 20.10 (API 1.41) for every key it uses (Compose's
-# minimum is appliance.pdctl.composebin's).
+# minimum is appliance.pdctl.compose.binary's).
 MIN_ENGINE = (20, 10)
 
 

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.pdctl.composebin import Compose, find_compose
+from appliance.pdctl.compose.binary import Compose, find_compose
 from appliance.pdctl.runner import Runner, SubprocessRunner
 
 UNLIMITED = -1

@@ -13,7 +13,7 @@ from appliance import keys
 from appliance.pdctl import config as cfgmod
 from appliance.pdctl.clibase import config_option, config_path_of, env_of
 from appliance.pdctl.config import parse_config
-from appliance.pdctl.configtoml import to_toml
+from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.errors import USAGE, ConfigError, PdctlError
 from appliance.pdctl.host import split_cpus
 from appliance.pdctl.hostcheck import host_problems

@@ -16,7 +16,8 @@ from pathlib import Path
 import appliance
 from appliance import keys, kvbudget
 from appliance.netaddr import host_port
-from appliance.pdctl import clustercompose, observability
+from appliance.pdctl import observability
+from appliance.pdctl.cluster import compose as clustercompose
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.errors import ConfigError, PdctlError
 from appliance.process import decode_chunk_flags
@@ -186,7 +187,7 @@ def env_file_text(cfg: HostConfig, out_dir: Path, source: Path | None = None) ->
 
 
 def compose_argv(cfg: HostConfig, out_dir: Path, compose: Sequence[str]) -> list[str]:
-    """Compose (`compose`: appliance.pdctl.composebin's choice) on the rendered directory: it
+    """Compose (`compose`: appliance.pdctl.compose.binary's choice) on the rendered directory: it
     finds compose.yaml, the override and .env there, as a plain `docker compose` run in that
     directory does."""
     return [*compose, "--project-directory", str(out_dir), "--project-name", cfg.compose.project]

@@ -1,4 +1,4 @@
-"""Cluster descriptions as chart values (appliance.pdctl.helmvalues), and the chart rendered
+"""Cluster descriptions as chart values (appliance.pdctl.cluster.helmvalues), and the chart rendered
 from them: as many P and D pods as the description has instances, GPUs per pod = TP."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from appliance.pdctl.cluster import parse_cluster
+from appliance.pdctl.cluster.helmvalues import KEYS_SECRET, helm_values
 from appliance.pdctl.errors import ConfigError
-from appliance.pdctl.helmvalues import KEYS_SECRET, helm_values
 from tests.charts.cases import Rendered
 from tests.charts.objects import container, flag, kv_config, of_kind, pod, workload
 

@@ -21,7 +21,7 @@ import pytest
 
 from appliance import kvbudget
 from appliance.pdctl.config import parse_config
-from appliance.pdctl.configtoml import to_toml
+from appliance.pdctl.config.toml import to_toml
 from appliance.process import (
     CPU_BLOCK_SIZE,
     ServiceProcess,

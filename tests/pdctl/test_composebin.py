@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from appliance.pdctl.composebin import PLUGIN, bundled_binary, find_compose
+from appliance.pdctl.compose.binary import PLUGIN, bundled_binary, find_compose
 from appliance.pdctl.doctor import run_checks
 from appliance.pdctl.host import HostProbe
 from tests.pdctl.conftest import GOOD_TOML

@@ -9,7 +9,7 @@ import pytest
 
 from appliance.kvbudget import MIB
 from appliance.pdctl.config import parse_config
-from appliance.pdctl.configtoml import to_toml
+from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.doctor import run_checks, version_tuple
 from appliance.pdctl.errors import ConfigError
 from appliance.pdctl.host import HostProbe, parse_cpu_list, split_cpus

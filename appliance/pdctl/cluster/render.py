@@ -12,7 +12,7 @@ from pathlib import Path
 
 from appliance import keys
 from appliance.pdctl.cluster import ClusterDescription
-from appliance.pdctl.configtoml import to_toml
+from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.errors import PdctlError
 from appliance.pdctl.render import DEFAULT_DIR, _write, keys_dir
 
@@ -33,7 +33,7 @@ def render_cluster(desc: ClusterDescription, source: Path, out_dir: Path,
     written: list[Path] = []
     values = None
     if kubernetes:  # first: a description the chart cannot take writes nothing
-        from appliance.pdctl.helmvalues import values_yaml
+        from appliance.pdctl.cluster.helmvalues import values_yaml
 
         values = values_yaml(desc, str(source))
     try:

@@ -1,7 +1,7 @@
 """The host config's host-facing sections: the host itself, its model, the devices P and D
 run on (GPUs, or CPUs on stack "cpu"), and a cluster host's instance lists;
 `appliance.pdctl.config` puts them together with the node-facing ones
-(`appliance.pdctl.sections`)."""
+(`appliance.pdctl.config.sections`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from appliance.pdctl.sections import _NAME, _safe_path, _Section
+from appliance.pdctl.config.sections import _NAME, _safe_path, _Section
 
 # vLLM flags pdctl sets itself; in extra_args they would silently fight the config.
 MANAGED_FLAGS = {

@@ -6,10 +6,11 @@ images, P and D on CPUs of their own, TCP).
 
 Structural problems come from pydantic, cross-field ones from `HostConfig.problems()`, and
 problems that need the host (a GPU index or RDMA device that does not exist) from
-`appliance.pdctl.hostcheck.host_problems()`; `appliance.pdctl.configtoml` writes the file.
+`appliance.pdctl.hostcheck.host_problems()`; `appliance.pdctl.config.toml` writes the file.
 Each problem is one line: `<field>: <what is wrong>`. The sections are in
-`appliance.pdctl.hostsections` (host, model, devices) and `appliance.pdctl.sections` (the
-rest); this module puts them together and is their one namespace.
+`appliance.pdctl.config.hostsections` (host, model, devices) and
+`appliance.pdctl.config.sections` (the rest); this module puts them together and is their
+one namespace.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError
 
-from appliance.pdctl.errors import ConfigError
-from appliance.pdctl.hostsections import (  # noqa: F401 - re-exported: the config's one namespace
+from appliance.pdctl.config.hostsections import (  # noqa: F401 - re-exported: the config's one namespace
     MANAGED_FLAGS,
     CpusSection,
     Devices,
@@ -30,7 +30,7 @@ from appliance.pdctl.hostsections import (  # noqa: F401 - re-exported: the conf
     InstanceLists,
     ModelSection,
 )
-from appliance.pdctl.sections import (  # noqa: F401 - re-exported: the config's one namespace
+from appliance.pdctl.config.sections import (  # noqa: F401 - re-exported: the config's one namespace
     _NAME,
     VERSION_TAG,
     AuthSection,
@@ -47,6 +47,7 @@ from appliance.pdctl.sections import (  # noqa: F401 - re-exported: the config's
     _safe_path,
     _Section,
 )
+from appliance.pdctl.errors import ConfigError
 from appliance.process import DECODE_PREFILL_CHUNK
 from appliance.proxy.settings import RoutingPolicy
 

@@ -13,10 +13,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from appliance.pdctl.clustercompose import service_names
-from appliance.pdctl.composebin import find_compose
+from appliance.pdctl.cluster.compose import service_names
+from appliance.pdctl.compose.binary import find_compose
+from appliance.pdctl.compose.dockerapi import ContainerState, DockerApi
 from appliance.pdctl.config import HostConfig
-from appliance.pdctl.dockerapi import ContainerState, DockerApi
 from appliance.pdctl.errors import PdctlError
 from appliance.pdctl.logcause import error_excerpt
 from appliance.pdctl.render import compose_argv
@@ -27,7 +27,7 @@ PULL_AND_CREATE_TIMEOUT = 3600.0  # first start pulls multi-GB images
 
 
 def compose_command(runner: Runner) -> tuple[str, ...]:
-    """The engine's Compose plugin or the bundled Compose (appliance.pdctl.composebin)."""
+    """The engine's Compose plugin or the bundled Compose (appliance.pdctl.compose.binary)."""
     found, why = find_compose(runner)
     if found is None:
         raise PdctlError(f"docker compose: {why} (`pdctl doctor` checks)")

@@ -18,8 +18,9 @@ sidecars each D must accept bootstraps from.
 
 Instance i of a role on a host listens on `ports.<role> + i`; P instance i has its own
 sidecar on `ports.bootstrap + i`. `[kubernetes] pod_network_cidrs` is for `render
---kubernetes` alone (appliance.pdctl.helmvalues). Problems come one line each (`parse_cluster`).
-`host_config(name)` is each host's own config (appliance.pdctl.clusterrender writes them);
+--kubernetes` alone (appliance.pdctl.cluster.helmvalues). Problems come one line each
+(`parse_cluster`).
+`host_config(name)` is each host's own config (appliance.pdctl.cluster.render writes them);
 `pdctl up` there brings up its part.
 """
 
@@ -53,8 +54,8 @@ from appliance.pdctl.config import (
     proxy_backend_args,
     validated,
 )
+from appliance.pdctl.config.sections import _Section
 from appliance.pdctl.errors import ConfigError
-from appliance.pdctl.sections import _Section
 from appliance.proxy.settings import RoutingPolicy
 
 Role = Literal["prefill", "decode"]
