@@ -12,7 +12,9 @@ Waiting costs the waiting request nothing it would not have spent: the running p
 chunks are scheduled first in every step, and once they are, the waiting request finds the
 whole prefix cached and computes only its own tokens. A request waits only while another
 one still has to compute its next block, so nothing waits for a decode, and a request
-with at most one block left (a prompt cached whole but its last token) never waits.
+with at most one block left (a prompt cached whole but its last token) never waits. The
+scheduler applies it to full-attention models only (sliding-window groups can cut a hit
+short of blocks already computed).
 """
 
 from __future__ import annotations

@@ -91,6 +91,10 @@ class PDScheduler:
         # KV cache config's), else the smallest group's block.
         self._prefills = PrefillsInFlight(hash_block_size
                                           or min(g.block_size for g in groups))
+        # Full attention only: a sliding-window group can cut a prompt's hit short of the
+        # blocks another request computed, and the rule would have it wait for nothing.
+        self._prefix_wait = settings.shared_prefix_wait and not any(
+            g.window_blocks for g in groups)
         # Tests only (PD_FAULT_INJECTION): a producer that holds new prefills back.
         self._faults = faults.from_env() if settings.is_producer else None
 
@@ -103,7 +107,7 @@ class PDScheduler:
             if (self._faults is not None and params and params.get("do_remote_decode")
                     and self._faults.holding_prefills()):
                 return None, False  # fault injection: waits in the queue, as in a backlog
-            if self.settings.shared_prefix_wait:
+            if self._prefix_wait:
                 other = self._prefills.computing_for(request, num_computed_tokens)
                 if other is not None:
                     log.debug("req %s: waits for req %s, which computes its prefix",

@@ -91,10 +91,11 @@ def test_the_bookkeeping_follows_admission_preemption_and_the_end():
     assert inflight.computing_for(second, 2 * BS) is None
 
 
-def _scheduler(role: str, **extra: Any) -> PDScheduler:
+def _scheduler(role: str, groups: tuple[KVGroup, ...] = (KVGroup(BS),),
+               **extra: Any) -> PDScheduler:
     return PDScheduler(ConnectorSettings(engine_id="e0", role=role,
                                          bootstrap_addr="http://127.0.0.1:1", **extra),
-                       [KVGroup(BS)])
+                       list(groups))
 
 
 def test_the_scheduler_holds_a_local_prompt_back_in_both_roles():
@@ -116,3 +117,12 @@ def test_a_pull_is_neither_tracked_nor_held_back_and_the_setting_turns_it_off():
     off = _scheduler("consumer", shared_prefix_wait=False)
     off.update_state_after_alloc(first, None, 0)  # type: ignore[arg-type]
     assert off.get_num_new_matched_tokens(second, 2 * BS) == (0, False)
+
+
+def test_no_wait_on_a_model_with_sliding_window_groups():
+    """A sliding-window group can cut a hit short of blocks another request computed: the
+    rule stays off there rather than have a prompt wait for nothing."""
+    s = _scheduler("consumer", (KVGroup(BS), KVGroup(BS, window_blocks=9)))
+    first, second = shared("a", "x"), shared("b", "y")
+    s.update_state_after_alloc(first, None, 0)  # type: ignore[arg-type]
+    assert s.get_num_new_matched_tokens(second, 2 * BS) == (0, False)
