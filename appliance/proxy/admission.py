@@ -10,8 +10,8 @@ import asyncio
 import math
 from collections.abc import Callable, Sequence
 
-from appliance.proxy.backends import Backend
 from appliance.proxy.errors import ProxyError
+from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.waitqueue import WaitQueue
 
 RATE_LIMIT = "rate_limit_error"  # OpenAI's error type for a 429

@@ -23,18 +23,18 @@ from appliance.connector.sidechannel import curve
 from appliance.httperrors import json_error
 from appliance.proxy import first_token
 from appliance.proxy.admission import Admission
-from appliance.proxy.backends import Backend, Backends, PrefillBackend
-from appliance.proxy.discovery import KubernetesDiscovery
 from appliance.proxy.errors import NodeDown, ProxyError
 from appliance.proxy.exchange import Exchange
-from appliance.proxy.health import HealthPoller
 from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
+from appliance.proxy.nodes.discovery import KubernetesDiscovery
+from appliance.proxy.nodes.health import HealthPoller
 from appliance.proxy.ownership import Holder, PrefillKV, Pulls
+from appliance.proxy.ownership.release import KVReleaser
 from appliance.proxy.placement import Decision, Placement, Ticket
 from appliance.proxy.prefix import Lookup, PrefixCache
 from appliance.proxy.record import Record
 from appliance.proxy.relay import Relay
-from appliance.proxy.release import KVReleaser
 from appliance.proxy.routing import Router
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.split import (

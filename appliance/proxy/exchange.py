@@ -19,9 +19,9 @@ import msgspec
 from aiohttp import web
 
 from appliance.proxy import first_token
-from appliance.proxy.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.errors import NodeDown, ProxyError, status_kind, upstream_error_body
 from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.ownership import PREFILL_DOWN, Holder, PrefillKV, Pulls
 from appliance.proxy.record import Record
 from appliance.proxy.relay import Relay, json_response

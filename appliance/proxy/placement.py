@@ -46,8 +46,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from appliance.proxy.backends import Backend
 from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
+from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.settings import Split
 from appliance.proxy.split import CHAT

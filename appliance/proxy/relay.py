@@ -15,7 +15,6 @@ import msgspec
 from aiohttp import web
 
 from appliance.proxy import first_token
-from appliance.proxy.backends import Backend, Backends
 from appliance.proxy.errors import (
     NodeDown,
     ProxyError,
@@ -24,11 +23,12 @@ from appliance.proxy.errors import (
     upstream_error_body,
 )
 from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.ownership import PREFILL_DOWN
 from appliance.proxy.record import Record
-from appliance.proxy.response import Response, UpstreamError
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.split import answer_usage
+from appliance.proxy.upstream.response import Response, UpstreamError
 
 _encode = msgspec.json.encode
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from appliance.proxy.backends import Backend
+from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.prefix import Lookup
 
 B = TypeVar("B", bound=Backend)

@@ -14,11 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from appliance.proxy import k8s_settings as proxy_k8s
 from appliance.proxy.__main__ import main
-from appliance.proxy.backends import Backends
-from appliance.proxy.discovery import KubernetesDiscovery
 from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.nodes import k8s_settings as proxy_k8s
+from appliance.proxy.nodes.backends import Backends
+from appliance.proxy.nodes.discovery import KubernetesDiscovery
 from appliance.proxy.server import serve
 from appliance.proxy.settings import KubernetesSettings, ProxySettings, load_settings
 from tests.proxy.conftest import FAST
@@ -174,7 +174,7 @@ async def test_an_api_server_outage_keeps_the_last_set(
     api.set_pod("r-decode-0", D, "10.1.1.1")
     watched.discovery.start()
     await until(lambda: len(api.watches) == 2)
-    caplog.set_level(logging.WARNING, "appliance.proxy.discovery")
+    caplog.set_level(logging.WARNING, "appliance.proxy.nodes.discovery")
     await api.stop()
     await until(lambda: sum("keeping the 1 known" in r.getMessage()
                             for r in caplog.records) >= 4)  # both roles failed, twice

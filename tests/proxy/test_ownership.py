@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.proxy.backends import PrefillBackend
+from appliance.proxy.nodes.backends import PrefillBackend
 from appliance.proxy.ownership import Holder, OwnershipError, PrefillKV
 
 

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
-from appliance.proxy.backends import Backend
 from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
+from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.placement import Decision, Estimates, Placement, Ticket, decide
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.record import Record

@@ -169,10 +169,9 @@ def test_proxy_imports_without_the_serving_stack() -> None:
 
 async def test_releaser_keeps_few_sockets(monkeypatch) -> None:
     """A restarted P worker listens on a new port: old sockets are closed, not hoarded."""
-    from appliance.proxy import release
-    from appliance.proxy.backends import PrefillBackend
     from appliance.proxy.metrics import ProxyMetrics
-    from appliance.proxy.ownership import PrefillKV
+    from appliance.proxy.nodes.backends import PrefillBackend
+    from appliance.proxy.ownership import PrefillKV, release
 
     monkeypatch.setattr(release, "_MAX_SOCKETS", 2)
     releaser = release.KVReleaser(ProxyMetrics())

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from appliance.proxy.backends import Backend, PrefillBackend
+from appliance.proxy.nodes.backends import Backend, PrefillBackend
 from appliance.proxy.routing import LeastOutstanding, RoundRobin, Router
 from appliance.proxy.settings import API_KEYS_ENV, load_settings
 

@@ -3,7 +3,7 @@ SGLang gateway's rule on the same index; without a lookup both are round robin."
 
 from __future__ import annotations
 
-from appliance.proxy.backends import Backend
+from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.routing import (
     SGLANG_BALANCE_ABS,

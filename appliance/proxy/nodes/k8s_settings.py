@@ -25,7 +25,7 @@ def http_url(value: str, schemes: tuple[str, ...] = ("http", "https")) -> str:
 
 class KubernetesSettings(BaseModel):
     """`--discovery kubernetes`: P and D are the Ready pods these label selectors match
-    (appliance.proxy.discovery). Unset namespace and API server are filled in from the
+    (appliance.proxy.nodes.discovery). Unset namespace and API server are filled in from the
     pod's service account and environment when discovery is kubernetes."""
 
     model_config = ConfigDict(extra="forbid")

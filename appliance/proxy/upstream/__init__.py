@@ -4,7 +4,7 @@ Why not aiohttp's client here: per call it costs more than the whole aiohttp ser
 in front of it (measured ~110-150 us per call against ~75 us for a fake vLLM request), and
 every proxied request makes two calls. This client does only what vLLM's servers (uvicorn,
 HTTP/1.1) need: keep-alive connections pooled per node (at most `max_connections` each),
-responses parsed by llhttp (`appliance.proxy.response`), streamed reads, connect, read and
+responses parsed by llhttp (`appliance.proxy.upstream.response`), streamed reads, connect, read and
 total timeouts, and closing the connection to cancel a request. It needs no task per call:
 sending is a write on a pooled connection, and the protocol's callbacks resolve whatever
 future the caller waits on. A request is never sent twice. Health checks, /query and
@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from appliance.proxy.response import Connection, Response, UpstreamError
+from appliance.proxy.upstream.response import Connection, Response, UpstreamError
 from appliance.proxy.waitqueue import WaitQueue
 
 __all__ = ["Pool", "Response", "UpstreamError", "Upstreams", "wait_any"]

@@ -30,7 +30,7 @@ from appliance.connector.sidechannel.curve import (
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.ownership import PrefillKV
 
-log = logging.getLogger("appliance.proxy.release")
+log = logging.getLogger("appliance.proxy.ownership.release")
 
 _SEND_TIMEOUT_S = 2.0
 _MAX_SOCKETS = 64  # P workers seen lately; a restarted worker listens on a new port

@@ -38,7 +38,7 @@ import aiohttp
 from appliance.netaddr import host_port
 from appliance.proxy.settings import DecodeNode, KubernetesSettings, PrefillNode
 
-log = logging.getLogger("appliance.proxy.discovery")
+log = logging.getLogger("appliance.proxy.nodes.discovery")
 
 Node = PrefillNode | DecodeNode
 Reconcile = Callable[[list[PrefillNode], list[DecodeNode]], None]

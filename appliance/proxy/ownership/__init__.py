@@ -3,9 +3,9 @@
 P keeps a finished prefill's blocks until a D pulls them or its `send_timeout_s` passes
 (seeds step 23). While the proxy has not seen D answer a request that asks for them, only
 the proxy knows whether anyone will come, so until then the KV is the proxy's to release
-(appliance.proxy.release); once D answered, D's connector pulls or frees it. Every change of
-holder goes through PrefillKV.move(), which refuses the impossible ones and logs each with
-the transfer id.
+(appliance.proxy.ownership.release); once D answered, D's connector pulls or frees it.
+Every change of holder goes through PrefillKV.move(), which refuses the impossible ones
+and logs each with the transfer id.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from appliance.proxy.backends import PrefillBackend
-from appliance.proxy.response import Response, UpstreamError
+from appliance.proxy.nodes.backends import PrefillBackend
+from appliance.proxy.upstream.response import Response, UpstreamError
 
 log = logging.getLogger("appliance.proxy.kv")
 

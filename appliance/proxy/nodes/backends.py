@@ -1,7 +1,7 @@
-"""Prefill and decode nodes and their health (seeds 6-7; the checks: appliance.proxy.health).
+"""Prefill and decode nodes and their health (seeds 6-7; the checks: appliance.proxy.nodes.health).
 
 Membership changes at run time (`Backends.reconcile`, fed by the static settings at start
-and by appliance.proxy.discovery after): a node is a *member* (in rotation once its health
+and by appliance.proxy.nodes.discovery after): a node is a *member* (in rotation once its health
 checks pass, as at start-up), *leaving* (gone from the configuration: out of rotation at
 once, still health checked, what it holds finishes, like a drain) or *dropped* (forgotten,
 once it holds nothing). A leaving node that reappears is a member again.
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.settings import DecodeNode, PrefillNode, ProxySettings
 
-log = logging.getLogger("appliance.proxy.health")
+log = logging.getLogger("appliance.proxy.nodes.health")
 
 
 @dataclass(eq=False)

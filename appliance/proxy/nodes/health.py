@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import aiohttp
 
 from appliance.bootstrap.wire import decode_query
-from appliance.proxy.backends import Backend, Backends, PrefillBackend
+from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.settings import DecodeNode, PrefillNode, ProxySettings
 
-log = logging.getLogger("appliance.proxy.health")
+log = logging.getLogger("appliance.proxy.nodes.health")
 
 
 class HealthPoller:
