@@ -19,16 +19,12 @@ short of blocks already computed).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
-
-log = logging.getLogger("vllm.appliance.connector.prefixwait")
-
 
 class _Prefill(Protocol):
     """What the rule reads of a vLLM request."""

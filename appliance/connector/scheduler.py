@@ -87,14 +87,14 @@ class PDScheduler:
         self._pulled: OrderedDict[str, None] = OrderedDict()
         self._meta = PDConnectorMetadata()
         # Both roles: the requests computing their prompts, which a request sharing their
-        # prefix waits for. Their block hashes' granularity is vLLM's hash_block_size (the
-        # KV cache config's), else the smallest group's block.
-        self._prefills = PrefillsInFlight(hash_block_size
-                                          or min(g.block_size for g in groups))
-        # Full attention only: a sliding-window group can cut a prompt's hit short of the
-        # blocks another request computed, and the rule would have it wait for nothing.
-        self._prefix_wait = settings.shared_prefix_wait and not any(
-            g.window_blocks for g in groups)
+        # prefix waits for (None: no wait). Their block hashes' granularity is vLLM's
+        # hash_block_size (the KV cache config's), else the smallest group's block. Full
+        # attention only: a sliding-window group can cut a prompt's hit short of the blocks
+        # another request computed, and the rule would have it wait for nothing.
+        self._prefills = (PrefillsInFlight(hash_block_size
+                                           or min(g.block_size for g in groups))
+                          if settings.shared_prefix_wait
+                          and not any(g.window_blocks for g in groups) else None)
         # Tests only (PD_FAULT_INJECTION): a producer that holds new prefills back.
         self._faults = faults.from_env() if settings.is_producer else None
 
@@ -107,7 +107,7 @@ class PDScheduler:
             if (self._faults is not None and params and params.get("do_remote_decode")
                     and self._faults.holding_prefills()):
                 return None, False  # fault injection: waits in the queue, as in a backlog
-            if self._prefix_wait:
+            if self._prefills is not None:
                 other = self._prefills.computing_for(request, num_computed_tokens)
                 if other is not None:
                     log.debug("req %s: waits for req %s, which computes its prefix",
@@ -145,7 +145,7 @@ class PDScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        if num_external_tokens == 0:
+        if self._prefills is not None and num_external_tokens == 0:
             self._prefills.admitted(request)
         params = request.kv_transfer_params
         if not params:
@@ -184,7 +184,8 @@ class PDScheduler:
 
     def request_finished(self, request: Request,
                          block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        self._prefills.finished(request.request_id)
+        if self._prefills is not None:
+            self._prefills.finished(request.request_id)
         params = request.kv_transfer_params
         if not params:
             return False, None
