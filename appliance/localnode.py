@@ -24,12 +24,14 @@ from appliance.process import (
     CPU_BLOCK_SIZE,
     CPU_EAGER,
     DECODE_PREFILL_CHUNK,
+    ENGINE_STEP_TOKENS,
     KV_EVENTS_FLAGS,
     ServiceFailed,
     ServiceProcess,
     cpu_env,
     decode_chunk_flags,
     kv_cache_flags,
+    step_tokens_flags,
     vllm_serve_argv,
 )
 from appliance.proxy.prefix.tokenizer import folder_of
@@ -69,6 +71,9 @@ class NodeSpec:
     # D's longest prefill chunk while other requests run (tokens; 0: no cap;
     # appliance.process.decode_chunk_flags): the CPU stack's default.
     decode_prefill_chunk: int = DECODE_PREFILL_CHUNK["cpu"]
+    # Each engine's token budget per step (0: vLLM's own; appliance.process.
+    # ENGINE_STEP_TOKENS): the CPU stack's default.
+    max_num_batched_tokens: int = ENGINE_STEP_TOKENS["cpu"]
     # Extra vLLM flags per role (appended, so they override the defaults above).
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
@@ -181,6 +186,7 @@ class LocalNode:
                                kv_transfer_config=s.kv_transfer_config(role),
                                extra=(*CPU_EAGER, *kv_cache_flags(self.kv_bytes), *guard,
                                       *KV_EVENTS_FLAGS, *self._tracing_args()[:2],
+                                      *step_tokens_flags(s.max_num_batched_tokens),
                                       *(s.prefill_args if role == "kv_producer"
                                         else (*decode_chunk_flags(s.decode_prefill_chunk),
                                               *s.decode_args))))

@@ -56,7 +56,7 @@ from ttft import SERVED, SETTLE_S, Setup, appliance_setup, serve  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
 from appliance.pdctl.status import metric_samples  # noqa: E402
-from appliance.process import DECODE_PREFILL_CHUNK  # noqa: E402
+from appliance.process import DECODE_PREFILL_CHUNK, ENGINE_STEP_TOKENS  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 console = Console(stderr=True)
@@ -213,6 +213,11 @@ def main() -> None:
                         help="D's longest prefill chunk while others run, in the appliance "
                              "setups (host config model.decode_prefill_chunk; default: the "
                              "CPU stack's; 0: no cap)")
+    parser.add_argument("--step-tokens", type=int, default=ENGINE_STEP_TOKENS["cpu"],
+                        metavar="TOKENS",
+                        help="each engine's token budget per step in the appliance setups "
+                             "(host config model.max_num_batched_tokens; default: the CPU "
+                             "stack's; 0: vLLM's own)")
     parser.add_argument("--engine-tokenizer", action="store_true",
                         help=f"also auto with a proxy that asks D's /tokenize for the prefix "
                              f"index ({ENGINE_TOKENIZER}) instead of tokenizing in process")
@@ -224,11 +229,13 @@ def main() -> None:
         work = WORKLOADS[name]
         model = tinymodel.build(ROOT / ".cache" / "models" / work.model, work.model)
         setups = [*(appliance_setup(model, args.log_dir, split, split, args.access_log,
-                                    decode_chunk=args.decode_chunk)
+                                    decode_chunk=args.decode_chunk,
+                                    step_tokens=args.step_tokens)
                     for split in SETUPS),
                   *([appliance_setup(model, args.log_dir, "auto", ENGINE_TOKENIZER,
                                      args.access_log, tokenizer=False,
-                                     decode_chunk=args.decode_chunk)]
+                                     decode_chunk=args.decode_chunk,
+                                     step_tokens=args.step_tokens)]
                     if args.engine_tokenizer else []),
                   plain_setup(model, args.log_dir),
                   *([plain_setup(model, args.log_dir, ONE_CORE, (0,))] if args.one_core

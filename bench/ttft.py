@@ -44,10 +44,12 @@ from gitref import checkout  # noqa: E402
 from appliance import tinymodel  # noqa: E402
 from appliance.process import (  # noqa: E402
     DECODE_PREFILL_CHUNK,
+    ENGINE_STEP_TOKENS,
     KV_EVENTS_FLAGS,
     ServiceProcess,
     cpu_env,
     decode_chunk_flags,
+    step_tokens_flags,
     vllm_serve_argv,
 )
 from appliance.proxy.prefix.tokenizer import folder_of  # noqa: E402
@@ -113,11 +115,11 @@ def plain_setup(model: Path, log_dir: Path) -> Setup:
 def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                cpu_push_delay_ms: float | None = None, name: str | None = None,
                code: Path | None = None, extra: dict | None = None,
-               decode_chunk: int = 0) -> Setup:
+               decode_chunk: int = 0, engine_args: tuple[str, ...] = ()) -> Setup:
     """`code`: a checkout whose appliance package the setup's processes import instead
     (ours at another commit, for a before/after in one run); `extra`: more of the
     connector's settings; `decode_chunk`: D's longest prefill chunk while others run
-    (appliance.process.decode_chunk_flags)."""
+    (appliance.process.decode_chunk_flags); `engine_args`: more flags for both engines."""
     env = {"PYTHONPATH": str(code)} if code is not None else None
     bport, pport, dport = free_port(), free_port(), free_port()
     if name is None:
@@ -139,9 +141,9 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                                                  if cpu_push_delay_ms is not None else {}),
                                               **(extra or {})}}
     services = [boot, serve(f"{name}-p", model, pport, (0,), log_dir, cfg("kv_producer", "p0"),
-                            env),
+                            env, engine_args),
                 serve(f"{name}-d", model, dport, (1,), log_dir, cfg("kv_consumer", "d0"), env,
-                      decode_chunk_flags(decode_chunk))]
+                      (*decode_chunk_flags(decode_chunk), *engine_args))]
     if code is not None:
         for svc in services:  # the working directory comes first on sys.path
             svc.cwd = code
@@ -153,14 +155,17 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
 def appliance_setup(model: Path, log_dir: Path, split: str = "always",
                     name: str = "appliance", log_requests: bool = False,
                     tokenizer: bool = True,
-                    decode_chunk: int = DECODE_PREFILL_CHUNK["cpu"]) -> Setup:
+                    decode_chunk: int = DECODE_PREFILL_CHUNK["cpu"],
+                    step_tokens: int = ENGINE_STEP_TOKENS["cpu"]) -> Setup:
     """The appliance as users meet it: our proxy (P's token first) in front of a P and D of
     its own (shared servers would see each prompt twice: a prefix-cache hit). `split`:
     the proxy's placement policy (always: every request through P, as this benchmark
     measures); `log_requests`: the proxy's access lines in its log; `tokenizer`: the proxy
     tokenizes prompts itself, as `pdctl up --local` has it (else it asks D's /tokenize);
-    `decode_chunk`: D's prefill chunk (the CPU stack's default)."""
-    servers = ours_setup(model, log_dir, name=name, decode_chunk=decode_chunk)
+    `decode_chunk`: D's prefill chunk, `step_tokens`: each engine's token budget per step
+    (the CPU stack's defaults)."""
+    servers = ours_setup(model, log_dir, name=name, decode_chunk=decode_chunk,
+                         engine_args=step_tokens_flags(step_tokens))
     folder = folder_of(str(model)) if tokenizer else None
     port = free_port()
     proxy = ServiceProcess(

@@ -20,7 +20,7 @@ from appliance.pdctl import observability
 from appliance.pdctl.cluster import compose as clustercompose
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.errors import ConfigError, PdctlError
-from appliance.process import decode_chunk_flags
+from appliance.process import decode_chunk_flags, step_tokens_flags
 
 DEFAULT_DIR = Path("/etc/pd-appliance")
 ENV_FILE = ".env"
@@ -99,7 +99,8 @@ def kv_cache_bytes(cfg: HostConfig) -> int:
 
 def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
     m, p, t = cfg.model, cfg.ports, cfg.timeouts
-    common = [*cfg.tracing.vllm_args(), *m.extra_args]
+    common = [*step_tokens_flags(cfg.max_num_batched_tokens), *cfg.tracing.vllm_args(),
+              *m.extra_args]
     if cfg.stack == "cpu":
         common = ["--kv-cache-memory-bytes", str(kv_cache_bytes(cfg)), *common]
     if m.max_model_len:

@@ -33,6 +33,7 @@ EVERY_OPTION: dict[str, Any] = {
     "model": {"servedName": "qwen", "blockSize": 64, "maxModelLen": 8192,
               "extraArgs": ["--enforce-eager"], "prefillExtraArgs": ["--max-num-seqs", "8"],
               "decodeExtraArgs": ["--max-num-seqs=64"], "decodePrefillChunk": 256,
+              "maxNumBatchedTokens": 1024,
               "volume": {"type": "hostPath", "hostPath": "/data/models", "subPath": "qwen"}},
     "prefill": {
         "extraEnv": [{"name": "NCCL_DEBUG", "value": "INFO"}],

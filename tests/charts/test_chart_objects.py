@@ -305,6 +305,16 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
         assert "--long-prefill-token-threshold" not in decode_args
     assert "--long-prefill-token-threshold" not in container(workload(docs, "prefill"),
                                                              "vllm")["args"]
+    # model.maxNumBatchedTokens: both engines' step budget (0: vLLM's own).
+    budget = v["model"].get("maxNumBatchedTokens")
+    if budget is None:  # the stack's default
+        budget = 256 if v["stack"] == "cpu" else 0
+    for role in ROLES:
+        args = container(workload(docs, role), "vllm")["args"]
+        if budget:
+            assert flag(args, "--max-num-batched-tokens") == str(budget)
+        else:
+            assert "--max-num-batched-tokens" not in args
     # proxy.tokenizer: the model's volume, mounted as P and D mount it, and its path.
     proxy_pod = pod(workload(docs, "proxy"))
     model_mounts = [m for m in container(workload(docs, "proxy"), "proxy")["volumeMounts"]

@@ -54,6 +54,7 @@ def test_values_from_a_description(name: str) -> None:
     assert values["proxy"]["split"] == desc.proxy.split
     assert values["proxy"]["itlSloMs"] == desc.proxy.itl_slo_ms
     assert values["model"].get("decodePrefillChunk") == desc.model.decode_prefill_chunk
+    assert values["model"].get("maxNumBatchedTokens") == desc.model.max_num_batched_tokens
     assert values["transfer"]["protocol"] == "rdma" and values["transfer"]["device"] == "mlx5_0"
     assert values["ports"] == {"prefill": 8010, "decode": 8020, "bootstrap": 8998,
                                "proxy": 8000}

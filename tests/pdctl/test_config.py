@@ -88,6 +88,10 @@ BAD = [
     ("model", "decode_extra_args", '["--long-prefill-token-threshold=64"]',
      "model.decode_extra_args: --long-prefill-token-threshold is set by pdctl (use "
      "model.decode_prefill_chunk)"),
+    ("model", "max_num_batched_tokens", "-1", "model.max_num_batched_tokens: Input should be"),
+    ("model", "extra_args", '["--max-num-batched-tokens", "512"]',
+     "model.extra_args: --max-num-batched-tokens is set by pdctl (use "
+     "model.max_num_batched_tokens)"),
     ("ports", "metrics", "9000", "ports.metrics: unknown key"),
     ("timeouts", "startup_s", "0", "timeouts.startup_s: Input should be greater than 0"),
     ("tracing", "otlp_endpoint", '"collector:4317"',

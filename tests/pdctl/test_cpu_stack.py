@@ -80,6 +80,11 @@ def test_cpu_defaults_block_32_and_the_cpu_image():
     assert (cfg.decode_prefill_chunk, gpu.decode_prefill_chunk) == (128, 512)
     assert parse_config(base(model={"path": "/m", "decode_prefill_chunk": 0})
                         ).decode_prefill_chunk == 0
+    # each engine's step budget per stack (0: vLLM's own), and what was asked
+    assert (cfg.max_num_batched_tokens, gpu.max_num_batched_tokens) == (256, 0)
+    for asked in (0, 1024):
+        assert parse_config(base(model={"path": "/m", "max_num_batched_tokens": asked})
+                            ).max_num_batched_tokens == asked
 
 
 def test_cpu_stack_problems_each_on_a_line():
@@ -92,6 +97,9 @@ def test_cpu_stack_problems_each_on_a_line():
     assert problems(base(cpus={"prefill": [0, 1], "decode": [1, 2]})) == [
         "cpus.decode: CPU 1 is also in cpus.prefill (P and D need CPUs of their own: D spins "
         "while it waits for KV)"]
+    assert problems(base(model={"path": "/m", "max_num_batched_tokens": 64})) == [
+        "model.max_num_batched_tokens: 64 is less than vLLM's 128 requests a step on CPU (0: "
+        "vLLM's own budget)"]
     lines = problems(base(cpus={"prefill": [], "decode": []}))
     assert [line.split(":")[0] for line in lines] == ["cpus.prefill", "cpus.decode"]
     gpu = {"host": {"ip": "10.0.0.1"}, "model": {"path": "/m", "kv_cache_bytes": 1 << 30},
@@ -186,6 +194,7 @@ def test_render_cpu_stack_for_a_plain_docker_compose(pdctl, write_config, model_
         assert flag(argv, "--max-model-len") == "2048"
         # sized from the model: 4 requests x 2048 tokens x 48 KiB
         assert flag(argv, "--kv-cache-memory-bytes") == str(384 * MIB)
+        assert flag(argv, "--max-num-batched-tokens") == "256"  # the CPU stack's, both roles
         assert "--enforce-eager" in argv
         assert "start_interval" not in svc["healthcheck"]
         # KV events for the proxy's prefix index, as a local node's P and D publish them

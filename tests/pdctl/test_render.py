@@ -139,6 +139,7 @@ def test_default_rdma_host(render):
             assert flag(argv, "--long-prefill-token-threshold") == "512"
         else:
             assert "--long-prefill-token-threshold" not in argv
+        assert "--max-num-batched-tokens" not in argv  # the GPU stack keeps vLLM's budget
         assert flag(argv, "--port") == str(port) and flag(argv, "--served-model-name") == "qwen"
         assert flag(argv, "--tensor-parallel-size") == "1"
         assert flag(argv, "--block-size") == "16"
@@ -217,6 +218,7 @@ extra_args = ["--enable-prefix-caching"]
 prefill_extra_args = ["--compilation-config", '{"level": 3}', "--x", "it's $HOME"]
 decode_extra_args = ["--max-num-seqs", "64"]
 decode_prefill_chunk = 256
+max_num_batched_tokens = 4096
 ''')
     out = render(toml)
     model = resolved(out)
@@ -238,6 +240,8 @@ decode_prefill_chunk = 256
     assert flag(s["decode"]["command"], "--max-num-seqs") == "64"
     # D's prefill chunk: D's flag only (P prefills whole prompts as fast as it can).
     assert flag(s["decode"]["command"], "--long-prefill-token-threshold") == "256"
+    for role in ("prefill", "decode"):  # each engine's step budget, as asked
+        assert flag(s[role]["command"], "--max-num-batched-tokens") == "4096"
     assert "--long-prefill-token-threshold" not in p
     assert flag(p, "--port") == "9010" and flag(s["decode"]["command"], "--port") == "9020"
     assert kv_config(p)["kv_connector_extra_config"]["bootstrap_addr"] == \

@@ -56,7 +56,8 @@ def _model(desc: ClusterDescription) -> dict[str, Any]:
     }
     for key, value in (("blockSize", m.block_size), ("maxModelLen", m.max_model_len),
                        ("kvCacheBytes", m.kv_cache_bytes),
-                       ("decodePrefillChunk", m.decode_prefill_chunk)):
+                       ("decodePrefillChunk", m.decode_prefill_chunk),
+                       ("maxNumBatchedTokens", m.max_num_batched_tokens)):
         if value is not None:
             out[key] = value
     return out

@@ -48,7 +48,7 @@ from appliance.pdctl.config.sections import (  # noqa: F401 - re-exported: the c
     _Section,
 )
 from appliance.pdctl.errors import ConfigError
-from appliance.process import DECODE_PREFILL_CHUNK
+from appliance.process import DECODE_PREFILL_CHUNK, ENGINE_STEP_TOKENS
 from appliance.proxy.settings import RoutingPolicy
 
 try:
@@ -61,6 +61,10 @@ CONFIG_ENV = "PDCTL_CONFIG"
 Stack = Literal["gpu", "cpu"]
 # The CPU build's attention backend works on blocks of a multiple of 32 tokens.
 DEFAULT_BLOCK_SIZE = {"gpu": 16, "cpu": 32}
+
+
+# vLLM's default max_num_seqs on CPU: its step budget may not be smaller.
+CPU_MAX_NUM_SEQS = 128
 
 
 def proxy_backend_args(policy: str, prefill: list[str], decode: list[str]) -> list[str]:
@@ -162,6 +166,12 @@ class HostConfig(_Section):
         return DECODE_PREFILL_CHUNK[self.stack] if chunk is None else chunk
 
     @property
+    def max_num_batched_tokens(self) -> int:
+        """Each engine's token budget per step (0: vLLM's own)."""
+        tokens = self.model.max_num_batched_tokens
+        return ENGINE_STEP_TOKENS[self.stack] if tokens is None else tokens
+
+    @property
     def vllm_image(self) -> str:
         if self.images.vllm:
             return self.images.vllm
@@ -252,6 +262,10 @@ class HostConfig(_Section):
         if self.block_size % 32:
             out.append(f"model.block_size: {self.block_size} with stack \"cpu\" (the CPU "
                        f"attention backend needs a multiple of 32)")
+        if 0 < self.max_num_batched_tokens < CPU_MAX_NUM_SEQS:
+            out.append(f"model.max_num_batched_tokens: {self.max_num_batched_tokens} is less "
+                       f"than vLLM's {CPU_MAX_NUM_SEQS} requests a step on CPU (0: vLLM's "
+                       f"own budget)")
         if self.cluster is not None:  # its instances are checked instead of cpus
             return out
         for role in ("prefill", "decode"):

@@ -27,6 +27,7 @@ MANAGED_FLAGS = {
     "--kv-events-config": "proxy.prefix_index (P and D always publish KV events)",
     "--prefix-caching-hash-algo": "proxy.prefix_index (sha256_cbor, the proxy's hashing)",
     "--long-prefill-token-threshold": "model.decode_prefill_chunk",
+    "--max-num-batched-tokens": "model.max_num_batched_tokens",
 }
 
 
@@ -90,6 +91,11 @@ class ModelSection(_Section):
     # prefill (README, bench/serve.py --decode-chunk). Default: 512 on the GPU stack, 128 on
     # the CPU stack.
     decode_prefill_chunk: int | None = Field(None, ge=0)
+    # Each engine's token budget per step (vLLM's --max-num-batched-tokens; 0: vLLM's own):
+    # prompts that arrive together are computed a budget at a time, the first answering
+    # while the rest compute (README). Default: 256 on the CPU stack, vLLM's on the GPU
+    # stack. vLLM wants at least its max_num_seqs (128 on CPU, 256-1024 on GPUs).
+    max_num_batched_tokens: int | None = Field(None, ge=0)
     extra_args: list[str] = Field(default_factory=list)
 
     def tp(self, role: str) -> int:

@@ -61,6 +61,8 @@ lifecycle:
 {{- $chunk := ternary (ternary 128 512 (eq $v.stack "cpu")) $m.decodePrefillChunk (kindIs "invalid" $m.decodePrefillChunk) -}}
 {{- if gt (int64 $chunk) 0 }}{{ $args = concat $args (list "--long-prefill-token-threshold" (toString (int64 $chunk))) }}{{ end -}}
 {{- end -}}
+{{- $stepTokens := ternary (ternary 256 0 (eq $v.stack "cpu")) $m.maxNumBatchedTokens (kindIs "invalid" $m.maxNumBatchedTokens) -}}
+{{- if gt (int64 $stepTokens) 0 }}{{ $args = concat $args (list "--max-num-batched-tokens" (toString (int64 $stepTokens))) }}{{ end -}}
 {{- $block := $m.blockSize | default (ternary 32 16 (eq $v.stack "cpu")) -}}
 {{- $args = concat $args (list "--tensor-parallel-size" (include "pd-appliance.tp" .)
       "--block-size" (toString (int $block))

@@ -163,8 +163,13 @@ def test_the_local_node_gives_the_proxy_its_models_tokenizer(tiny_model, tmp_pat
     d_argv, p_argv = node.decode.argv, node.prefill.argv
     assert d_argv[d_argv.index("--long-prefill-token-threshold") + 1] == "128"
     assert "--long-prefill-token-threshold" not in p_argv
-    whole = LocalNode(NodeSpec(model=tiny_model, log_dir=tmp_path, decode_prefill_chunk=0))
+    # each engine's step budget: the CPU stack's, or vLLM's own for 0
+    for argv in (d_argv, p_argv):
+        assert argv[argv.index("--max-num-batched-tokens") + 1] == "256"
+    whole = LocalNode(NodeSpec(model=tiny_model, log_dir=tmp_path, decode_prefill_chunk=0,
+                               max_num_batched_tokens=0))
     assert "--long-prefill-token-threshold" not in whole.decode.argv
+    assert "--max-num-batched-tokens" not in whole.decode.argv + whole.prefill.argv
 
 
 async def test_a_long_prompt_is_tokenized_off_the_loop(tiny_model, monkeypatch):
