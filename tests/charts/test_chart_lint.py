@@ -65,6 +65,12 @@ BAD: dict[str, tuple[dict[str, Any], list[str]]] = {
                         ["decode.strategy", "both 0"]),
     "shutdown flag": ({"model": {"extraArgs": ["--shutdown-timeout", "5"]}},
                       ["--shutdown-timeout", "terminationGracePeriodSeconds"]),
+    "step budget flag": ({"model": {"extraArgs": ["--max-num-batched-tokens=512"]}},
+                         ["model.extraArgs", "model.maxNumBatchedTokens"]),
+    "chunk flag": ({"model": {"decodeExtraArgs": ["--long-prefill-token-threshold", "64"]}},
+                   ["model.decodeExtraArgs", "model.decodePrefillChunk"]),
+    "cpu step budget": ({"stack": "cpu", "model": {"maxNumBatchedTokens": 64}},
+                        ["model.maxNumBatchedTokens: 64", "128"]),
     "cpu request": ({"stack": "cpu", "decode": {"cpuRequest": "half"}},
                     ["decode.cpuRequest"]),
 }
@@ -72,7 +78,8 @@ BAD: dict[str, tuple[dict[str, Any], list[str]]] = {
 
 ACROSS_FIELDS = {"both key sources", "neither key source", "half the keys", "cpu with rdma",
                  "managed flag", "pvc without claim", "short port range", "no pod network",
-                 "strategy both 0", "shutdown flag"}
+                 "strategy both 0", "shutdown flag", "step budget flag", "chunk flag",
+                 "cpu step budget"}
 
 
 @pytest.mark.parametrize("name", BAD)
