@@ -269,7 +269,8 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
            cluster_path: Path | None, as_json: bool) -> None:
     """Every service: up/down, health, engine ids, backends, counters. Exit 1 if unhealthy."""
     from appliance.pdctl import status as st
-    from appliance.pdctl.local import LocalState, default_run_dir, process_states
+    from appliance.pdctl.local import default_run_dir
+    from appliance.pdctl.localstate import LocalState, process_states
 
     env = env_of(ctx)
     if cluster_path is not None:

@@ -8,7 +8,6 @@ each process (and every child vLLM spawns) carries in its environment, so `pdctl
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -26,10 +25,17 @@ from appliance import kvbudget
 from appliance.pdctl.config import TransferSection
 from appliance.pdctl.errors import USAGE, PdctlError
 from appliance.pdctl.host import split_cpus
-from appliance.pdctl.status import Endpoints, ProcessState
+from appliance.pdctl.localstate import (
+    RUN_ID_ENV,
+    STATE_FILE,
+    LocalState,
+    ServiceRecord,
+    alive,
+    kill_marked,
+    marked_processes,
+)
+from appliance.pdctl.status import Endpoints
 
-RUN_ID_ENV = "PDCTL_RUN_ID"
-STATE_FILE = "state.json"
 TINY = "tiny"
 
 
@@ -74,97 +80,6 @@ class LocalOptions:
                 out.append(f"the {name} port {port} is also the {seen[port]} port")
             seen.setdefault(port, name)
         return out
-
-
-# ---- state file and processes -----------------------------------------------------------
-
-@dataclass
-class ServiceRecord:
-    name: str
-    pid: int  # the process group leader; its pid is the group id
-    url: str
-    log: str
-
-
-@dataclass
-class LocalState:
-    run_id: str
-    supervisor_pid: int | None
-    started_at: float
-    model: str
-    endpoints: dict[str, Any]
-    services: list[ServiceRecord]
-
-    @classmethod
-    def load(cls, run_dir: Path) -> LocalState | None:
-        try:
-            data = json.loads((run_dir / STATE_FILE).read_text())
-            data["services"] = [ServiceRecord(**s) for s in data["services"]]
-            return cls(**data)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise PdctlError(f"{run_dir / STATE_FILE}: unreadable state file ({exc}); remove "
-                             f"it once no node process is left") from None
-
-    def save(self, run_dir: Path) -> None:
-        tmp = run_dir / f".{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(run_dir / STATE_FILE)
-
-    def endpoints_obj(self) -> Endpoints:
-        return Endpoints(**self.endpoints)
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, process group) of a live pid."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2:].split()
-    return fields[0], int(fields[2])
-
-
-def marked_processes(run_id: str) -> dict[int, int]:
-    """pid -> process group of every live process carrying this run's id."""
-    marker = f"{RUN_ID_ENV}={run_id}".encode()
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        if marker in env.split(b"\0"):
-            stat = _proc_stat(int(entry))
-            if stat is not None and stat[0] not in ("Z", "X"):
-                found[int(entry)] = stat[1]
-    return found
-
-
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    stat = _proc_stat(pid)
-    return stat is not None and stat[0] not in ("Z", "X")
-
-
-def process_states(state: LocalState) -> dict[str, ProcessState]:
-    live = marked_processes(state.run_id)
-    out = {}
-    for rec in state.services:
-        members = sum(1 for pgid in live.values() if pgid == rec.pid)
-        if rec.pid in live:
-            out[rec.name] = ProcessState("running", True, f"pid {rec.pid}, {members} "
-                                                           f"process{'es' if members > 1 else ''}")
-        elif members:
-            out[rec.name] = ProcessState("degraded", False,
-                                         f"leader {rec.pid} gone, {members} left")
-        else:
-            out[rec.name] = ProcessState("exited", False, f"pid {rec.pid}")
-    return out
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -324,7 +239,7 @@ def up_local(opts: LocalOptions, console: Console, detach: bool = False) -> int:
                 signal.signal(sig, signal.SIG_IGN)
             node.stop()
             if state is not None:
-                _kill_marked(run_id, {s.pid for s in state.services}, grace=5.0)
+                kill_marked(run_id, {s.pid for s in state.services}, grace=5.0)
             (run_dir / STATE_FILE).unlink(missing_ok=True)
         for sig, old in handlers.items():
             signal.signal(sig, old)
@@ -364,36 +279,6 @@ def _print_ready(console: Console, timings: dict[str, float], total: float, setu
 
 # ---- down -------------------------------------------------------------------------------
 
-def _wait_gone(run_id: str, timeout: float) -> dict[int, int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = marked_processes(run_id)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
-
-
-def _kill_marked(run_id: str, groups: set[int], grace: float) -> dict[int, int]:
-    """SIGTERM this run's process groups (and stray members), then SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        left = marked_processes(run_id)
-        if not left:
-            return {}
-        for pgid in {g for g in left.values() if g in groups}:
-            try:
-                os.killpg(pgid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid, pgid in left.items():
-            if pgid not in groups:
-                try:
-                    os.kill(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        left = _wait_gone(run_id, wait)
-    return left
-
-
 def down_local(run_dir: Path, console: Console, timeout: float = 90.0) -> int:
     state = LocalState.load(run_dir)
     if state is None:
@@ -401,7 +286,7 @@ def down_local(run_dir: Path, console: Console, timeout: float = 90.0) -> int:
         return 0
     names = ", ".join(s.name for s in state.services)
     sup = state.supervisor_pid
-    if sup is not None and sup != os.getpid() and _alive(sup) and \
+    if sup is not None and sup != os.getpid() and alive(sup) and \
             marked_processes(state.run_id):
         # The foreground `pdctl up --local` stops its own services, as on Ctrl-C.
         try:
@@ -409,9 +294,9 @@ def down_local(run_dir: Path, console: Console, timeout: float = 90.0) -> int:
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + timeout
-        while _alive(sup) and time.monotonic() < deadline:
+        while alive(sup) and time.monotonic() < deadline:
             time.sleep(0.2)
-    left = _kill_marked(state.run_id, {s.pid for s in state.services}, grace=20.0)
+    left = kill_marked(state.run_id, {s.pid for s in state.services}, grace=20.0)
     if left:
         raise PdctlError(f"processes of the node survived SIGKILL: "
                          f"{', '.join(map(str, sorted(left)))}")
