@@ -17,7 +17,7 @@ import gzip
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -67,7 +67,10 @@ class SpanExport:
     """The queue of spans and the task that sends them."""
 
     def __init__(self, endpoint: str, protocol: str, resource: Mapping[str, str | int],
-                 scope: str, env: Mapping[str, str] = os.environ) -> None:
+                 scope: str, env: Mapping[str, str] = os.environ,
+                 encode: Callable[[Any], bytes] | None = None) -> None:
+        """`encode`: what turns a queued entry into its spans' bytes, when entries are
+        queued as they were recorded and written a batch at a time."""
         if protocol not in ("grpc", "http/protobuf"):
             raise ValueError(f"OTLP protocol {protocol!r}: one of grpc, http/protobuf")
         self.endpoint, self.protocol = endpoint, protocol
@@ -81,7 +84,8 @@ class SpanExport:
         self.headers = parse_headers(_env(env, "HEADERS"))
         self.gzip = _env(env, "COMPRESSION").lower() == "gzip"
         self.counts = {"exported": 0, "dropped": 0}
-        self._entries: list[tuple[bytes, int]] = []  # one request's spans, and how many
+        self.encode = encode
+        self._entries: list[tuple[Any, int]] = []  # one request's spans, and how many
         self._queued = 0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -89,8 +93,9 @@ class SpanExport:
         self._close: Any = None
         self._warned = -_WARN_EVERY_S
 
-    def add(self, spans: bytes, n: int) -> None:
-        """`n` spans' bytes (otlpwire.span()s joined), sent with the next batch."""
+    def add(self, spans: Any, n: int) -> None:
+        """`n` spans, sent with the next batch: their bytes (otlpwire.span()s joined), or
+        what `encode` writes them from."""
         if self._queued + n > self.max_queue:
             self.counts["dropped"] += n
             return
@@ -132,7 +137,10 @@ class SpanExport:
                 take += 1
             batch, self._entries = self._entries[:take], self._entries[take:]
             self._queued -= n
-            body = otlpwire.request(self.resource, self.scope, (b for b, _ in batch))
+            encode = self.encode
+            body = otlpwire.request(self.resource, self.scope,
+                                    [b for b, _ in batch] if encode is None
+                                    else [encode(raw) for raw, _ in batch])
             if await self._deliver(body):
                 self.counts["exported"] += n
             else:

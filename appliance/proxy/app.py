@@ -122,7 +122,7 @@ class Proxy:
         self.poller.start()
         self.upstreams.start()
         if self.tracing is not None:
-            self.tracing.start()
+            await self.tracing.start()
         # The index serves auto's placement and the cache-aware routing policies.
         if self.settings.prefix_index and (self.settings.split == "auto"
                                            or self.settings.policy.startswith("cache_aware")):

@@ -62,7 +62,7 @@ class Exchange:
         h = {"Content-Type": "application/json", "X-Request-Id": rec.request_id}
         h.update(self.base_headers)
         if rec.trace is not None:
-            h.update(rec.trace.call(node.role, node.url, rec))
+            rec.trace.call(node.role, node.url, rec, h)
         return h
 
     def _prefill_headers(self, rec: Record, kv: PrefillKV) -> dict[str, str]:

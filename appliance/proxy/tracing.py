@@ -2,20 +2,21 @@
 call to P or D (`pd.prefill`, `pd.decode`), whose W3C context goes with the call so that
 vLLM's and the connector's spans join the trace (appliance.observability.tracing).
 
-The spans are written as OTLP bytes when they end (appliance.observability.otlpwire) and
-sent in batches from the proxy's loop (otlpexport), not made as SDK span objects: the
-proxy's one core is its whole data path, and the SDK's spans and encoder took half of its
-rate at concurrency 64 (bench/proxy_overhead.py --tracing)."""
+A request records only ids, clock readings and a few of its record's fields as it goes;
+another process (appliance.observability.exportproc) writes them as OTLP spans
+(appliance.observability.otlpwire, SpanWriter here) and sends them. The proxy's one core is
+its whole data path: the SDK's span objects and encoder took half of its rate at
+concurrency 64, and writing and sending the spans' bytes in its own loop still a tenth
+(bench/proxy_overhead.py --tracing)."""
 
 from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from appliance.observability import otlpwire as wire
-from appliance.observability.otlpexport import SpanExport
-from appliance.observability.tracing import wall_ns
+from appliance.observability.exportproc import ExportProcess
 
 if TYPE_CHECKING:
     from appliance.proxy.record import Record
@@ -25,28 +26,73 @@ _REQUEST_ID, _TRANSFER_ID = wire.Key("pd.request_id"), wire.Key("pd.transfer_id"
 _OUTPUT, _PROMPT = wire.Key("pd.output_tokens"), wire.Key("pd.prompt_tokens")
 # Attributes with few values (nodes, routes, paths, statuses), written once each.
 _CACHE_MAX = 4096
+_bits = random.getrandbits
+_time_ns, _monotonic_ns = time.time_ns, time.monotonic_ns
+
+
+class Call(NamedTuple):
+    """One call to a node, as recorded (the hot path makes plain tuples of this layout,
+    and they cross the pipe as lists)."""
+
+    role: str
+    span_id: int
+    url: str
+    transfer_id: str
+    start_ns: int
+    end_ns: int
+
+
+class Finished(NamedTuple):
+    """One request's trace as recorded (a plain tuple, then a list, likewise)."""
+
+    traceparent: str  # "00-<trace id>-": the trace id as its calls' headers carry it
+    start_ns: int
+    end_ns: int
+    request_id: str
+    route: str
+    status: int
+    path: str
+    transfer_id: str
+    output_tokens: int
+    prompt_tokens: int
+    placed: str | None
+    fallback: str | None
+    error: str | None
+    calls: list[Call]
 
 
 class Tracing:
     """The proxy's tracer (made only when an OTLP endpoint is set)."""
 
     def __init__(self, endpoint: str, protocol: str, sample_ratio: float = 1.0) -> None:
-        self.export = SpanExport(endpoint, protocol, {"service.name": "pd-proxy"},
-                                 "appliance.proxy")
+        self.export = ExportProcess(endpoint, protocol, f"{__name__}:SpanWriter")
         self.sample_ratio = sample_ratio
-        self._names: dict[str, bytes] = {}
-        self._attrs: dict[tuple[str, str | int], bytes] = {}
 
-    def start(self) -> None:
-        self.export.start()
+    async def start(self) -> None:
+        await self.export.start()
 
     async def close(self) -> None:
-        await self.export.close()  # sends what is queued
+        await self.export.close()  # what is queued is sent
 
     def begin(self, rec: Record) -> RequestTrace | Unsampled:
         if self.sample_ratio < 1.0 and random.random() >= self.sample_ratio:
             return Unsampled()
-        return RequestTrace(self, rec)
+        return RequestTrace(self.export, rec)
+
+
+class SpanWriter:
+    """Records (Finished's fields) as OTLP spans: the exporter process's writer."""
+
+    resource = {"service.name": "pd-proxy"}
+    scope = "appliance.proxy"
+
+    @staticmethod
+    def spans(raw: Any) -> int:
+        return 1 + len(raw[-1])  # the request's, and one per call
+
+    def __init__(self) -> None:
+        self._names: dict[str, bytes] = {}
+        self._attrs: dict[tuple[str, str | int], bytes] = {}
 
     def name(self, role: str) -> bytes:
         named = self._names.get(role)
@@ -63,6 +109,37 @@ class Tracing:
             out = self._attrs[(key, value)] = wire.attr(key, value)
         return out
 
+    def encode(self, raw: Any) -> bytes:
+        """A request's spans: its own, then one per call, children of it. Unpacked by
+        position: this runs for every request traced."""
+        (parent, start_ns, end_ns, request_id, route, status, path, transfer_id, output,
+         prompt, placed, fallback, error, calls) = raw
+        trace_id = bytes.fromhex(parent[3:35])
+        span_id = (_bits(64) or 1).to_bytes(8, "big")
+        rid = _REQUEST_ID.str(request_id)
+        xfer = _TRANSFER_ID.str(transfer_id) if transfer_id else b""
+        attr, span = self.attr, wire.span
+        out = []
+        for role, call_id, url, call_xfer, call_start, call_end in calls:
+            if call_xfer != transfer_id:  # a call made before the transfer was named
+                call_xfer = _TRANSFER_ID.str(call_xfer) if call_xfer else b""
+            else:
+                call_xfer = xfer
+            out.append(span(trace_id, call_id.to_bytes(8, "big"), span_id, self.name(role),
+                            call_start, call_end, b"".join((attr("pd.node", url), rid,
+                                                            call_xfer))))
+        attrs = [attr("http.route", route), rid, attr("http.status_code", status),
+                 attr("pd.path", path), xfer, _OUTPUT.int(output)]
+        if placed is not None:
+            attrs.append(attr("pd.split", placed))
+        if fallback:
+            attrs.append(wire.attr("pd.fallback", fallback))
+        if prompt:
+            attrs.append(_PROMPT.int(prompt))
+        out.append(span(trace_id, span_id, None, _REQUEST, start_ns, end_ns, b"".join(attrs),
+                        error))
+        return b"".join(out)
+
 
 class Unsampled:
     """A request not traced: nothing is recorded, but its calls carry a context whose
@@ -72,8 +149,8 @@ class Unsampled:
     def __init__(self) -> None:
         self._trace = f"00-{random.getrandbits(128):032x}-"
 
-    def call(self, role: str, url: str, rec: Record) -> dict[str, str]:
-        return {"traceparent": f"{self._trace}{random.getrandbits(64) or 1:016x}-00"}
+    def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
+        headers["traceparent"] = f"{self._trace}{random.getrandbits(64) or 1:016x}-00"
 
     def end(self, role: str) -> None:
         pass
@@ -83,57 +160,42 @@ class Unsampled:
 
 
 class RequestTrace:
-    __slots__ = ("_tracing", "_trace_id", "_span_id", "_start_ns", "_traceparent", "_rid",
-                 "_xfer", "_calls", "_done")
+    """A sampled request's ids and clock readings, as its calls begin and end: the least
+    work that makes its spans, on the proxy's hot path."""
 
-    def __init__(self, tracing: Tracing, rec: Record) -> None:
-        self._tracing = tracing
-        self._trace_id = (random.getrandbits(128) or 1).to_bytes(16, "big")
-        self._span_id = (random.getrandbits(64) or 1).to_bytes(8, "big")
-        # Started where the record was: the client's request has been read by then.
-        self._start_ns = wall_ns(rec.started)
-        self._traceparent = f"00-{self._trace_id.hex()}-"  # a call's span id follows
-        self._rid = _REQUEST_ID.str(rec.request_id)
-        self._xfer = ("", b"")  # the transfer id, and its attribute
-        self._calls: dict[str, tuple[bytes, int, bytes]] = {}  # role: span id, start, attrs
-        self._done: list[bytes] = []
+    __slots__ = ("_add", "_parent", "_start", "_calls")
 
-    def call(self, role: str, url: str, rec: Record) -> dict[str, str]:
-        """A call to a `role` node begins (ending this request's earlier one there): the
-        headers that carry its span's context."""
+    def __init__(self, export: ExportProcess, rec: Record) -> None:
+        self._add = export.add
+        self._parent = f"00-{_bits(128) or 1:032x}-"  # a call's span id follows
+        self._start = rec.started  # the client's request has been read by then
+        self._calls: list[list[Any]] = []  # Call's fields; the end 0 while it runs
+
+    def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
+        """A call to a `role` node begins (ending this request's earlier one there): its
+        span's context goes in the call's `headers`."""
         self.end(role)
-        span_id = (random.getrandbits(64) or 1).to_bytes(8, "big")
-        t = self._tracing
-        attrs = b"".join((t.attr("pd.node", url), self._rid, self._transfer(rec)))
-        self._calls[role] = (span_id, time.time_ns(), attrs)
-        return {"traceparent": f"{self._traceparent}{span_id.hex()}-01"}
-
-    def _transfer(self, rec: Record) -> bytes:
-        if self._xfer[0] != rec.transfer_id:
-            self._xfer = (rec.transfer_id, _TRANSFER_ID.str(rec.transfer_id))
-        return self._xfer[1]
+        span_id = _bits(64) or 1
+        self._calls.append([role, span_id, url, rec.transfer_id, _monotonic_ns(), 0])
+        headers["traceparent"] = f"{self._parent}{span_id:016x}-01"
 
     def end(self, role: str) -> None:
-        call = self._calls.pop(role, None)
-        if call is not None:
-            span_id, start, attrs = call
-            self._done.append(wire.span(self._trace_id, span_id, self._span_id,
-                                        self._tracing.name(role), start, time.time_ns(), attrs))
+        for call in self._calls:
+            if call[0] == role and not call[5]:
+                call[5] = _monotonic_ns()
 
     def finish(self, rec: Record) -> None:
-        for role in list(self._calls):
-            self.end(role)
-        t = self._tracing
-        attrs = [t.attr("http.route", rec.route), self._rid,
-                 t.attr("http.status_code", rec.status), t.attr("pd.path", rec.path),
-                 self._transfer(rec), _OUTPUT.int(rec.usage_output or rec.tokens_out)]
-        if rec.placed is not None:
-            attrs.append(t.attr("pd.split", f"{rec.placed.where}:{rec.placed.reason}"))
-        if rec.fallback:
-            attrs.append(wire.attr("pd.fallback", rec.fallback))
-        if rec.usage_prompt or rec.prompt_tokens:
-            attrs.append(_PROMPT.int(rec.usage_prompt or rec.prompt_tokens or 0))
+        now = _monotonic_ns()
+        wall = _time_ns() - now  # monotonic readings to the epoch's, once per request
+        calls = self._calls
+        for call in calls:
+            call[4] += wall
+            call[5] = (call[5] or now) + wall
+        placed = rec.placed
         error = (rec.error or str(rec.status)) if rec.status >= 500 or rec.error else None
-        self._done.append(wire.span(self._trace_id, self._span_id, None, _REQUEST,
-                                    self._start_ns, time.time_ns(), b"".join(attrs), error))
-        t.export.add(b"".join(self._done), len(self._done))
+        self._add((  # Finished's fields
+            self._parent, round(self._start * 1e9) + wall, now + wall, rec.request_id,
+            rec.route, rec.status, rec.path, rec.transfer_id,
+            rec.usage_output or rec.tokens_out, rec.usage_prompt or rec.prompt_tokens or 0,
+            None if placed is None else f"{placed.where}:{placed.reason}", rec.fallback, error,
+            calls), 1 + len(calls))

@@ -4,8 +4,14 @@ W3C context; off unless an endpoint is set."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
+
+import psutil
 import pytest
 
+from appliance.observability import exportproc
 from tests.otlp import Collector, GrpcCollector, span_id_of, trace_id_of
 from tests.proxy.conftest import MakeCluster
 
@@ -103,7 +109,71 @@ async def test_the_default_protocol_is_grpc_and_exported_spans_are_counted(
         await collector.wait_async(trace_id, {"pd.request", "pd.prefill", "pd.decode"})
         await collector.wait_async(trace_id_of(c.decode[0].received[0].headers["traceparent"]),
                                    {"pd.request"})
+        # The exporter process reports what it sent a moment after the collector has it.
+        text = await _metrics_until(c, 'pd_proxy_trace_spans_total{outcome="exported"} 6.0')
+    assert 'pd_proxy_trace_spans_total{outcome="dropped"} 0.0' in text
+
+
+async def _metrics_until(c, line: str, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
         async with c.http.get(f"{c.url}/metrics") as r:
             text = await r.text()
-    assert 'pd_proxy_trace_spans_total{outcome="exported"} 6.0' in text
-    assert 'pd_proxy_trace_spans_total{outcome="dropped"} 0.0' in text
+        if line in text or time.monotonic() > deadline:
+            assert line in text, text
+            return text
+        await asyncio.sleep(0.05)
+
+
+def _exporter(c) -> psutil.Process:
+    """The proxy's span exporter process (appliance.observability.exportproc)."""
+    proc = c.proxy.proxy.tracing.export._proc
+    assert proc is not None
+    return psutil.Process(proc.pid)
+
+
+async def test_spans_are_sent_by_a_process_that_ends_with_the_proxy_after_sending_them(
+        make_cluster: MakeCluster, monkeypatch) -> None:
+    """The exporter sends what the proxy recorded before it closed (a schedule far longer
+    than the test: only the close sends them), then exits."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    with Collector() as collector:
+        c = await make_cluster(otlp_traces_endpoint=collector.url,
+                               otlp_traces_protocol="http/protobuf")
+        exporter = _exporter(c)
+        assert exporter.pid != os.getpid() and "appliance.observability.exportproc" in \
+            " ".join(exporter.cmdline())
+        proc = c.proxy.proxy.tracing.export._proc
+        status, _, _ = await c.post()
+        assert status == 200
+        trace_id = trace_id_of(c.decode[0].received[0].headers["traceparent"])
+        await c.proxy.close()
+        assert {s.name for s in collector.spans if s.trace_id == trace_id} == \
+            {"pd.request", "pd.prefill", "pd.decode"}
+        assert proc.returncode == 0  # it ended, and with nothing wrong
+
+
+async def test_an_exporter_that_dies_costs_spans_not_requests_and_is_started_again(
+        make_cluster: MakeCluster, collector: Collector, monkeypatch) -> None:
+    monkeypatch.setattr(exportproc, "RESTART_AFTER_S", 0.3)
+    c = await make_cluster(otlp_traces_endpoint=collector.url,
+                           otlp_traces_protocol="http/protobuf")
+    first = _exporter(c)
+    first.kill()
+    first.wait(5)
+    status, _, _ = await c.post()  # recorded while no exporter runs: dropped, counted
+    assert status == 200
+    await _metrics_until(c, 'pd_proxy_trace_spans_total{outcome="dropped"} 3.0')
+    deadline = time.monotonic() + 10
+    while True:  # the next request's record finds it gone for long enough: a new one
+        status, _, _ = await c.post()
+        assert status == 200
+        export = c.proxy.proxy.tracing.export
+        if export._proc is not None and export._proc.pid != first.pid:
+            break
+        assert time.monotonic() < deadline, "the exporter was not started again"
+        await asyncio.sleep(0.1)
+    status, _, _ = await c.post()
+    assert status == 200
+    trace_id = trace_id_of(c.decode[0].received[-1].headers["traceparent"])
+    await collector.wait_async(trace_id, {"pd.request", "pd.prefill", "pd.decode"})
