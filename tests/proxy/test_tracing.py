@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -177,3 +178,23 @@ async def test_an_exporter_that_dies_costs_spans_not_requests_and_is_started_aga
     assert status == 200
     trace_id = trace_id_of(c.decode[0].received[-1].headers["traceparent"])
     await collector.wait_async(trace_id, {"pd.request", "pd.prefill", "pd.decode"})
+
+
+async def test_records_the_exporter_does_not_read_are_dropped_and_counted() -> None:
+    """A pipe holding MAX_UNREAD bytes unread: the proxy writes no more and counts the spans
+    dropped, holding nothing for the exporter."""
+    export = exportproc.ExportProcess("http://127.0.0.1:1/v1/traces", "http/protobuf",
+                                      "appliance.proxy.tracing:SpanWriter")
+    written: list[bytes] = []
+    unread = [0]
+    pipe = SimpleNamespace(is_closing=lambda: False, write=written.append,
+                           transport=SimpleNamespace(get_write_buffer_size=lambda: unread[0]))
+    export._proc = SimpleNamespace(stdin=pipe)  # type: ignore[assignment]
+    for _ in range(exportproc.FRAME_RECORDS):
+        export.add(("00-" + "1" * 32 + "-",), 3)
+    assert len(written) == 1 and export.counts["dropped"] == 0
+    unread[0] = exportproc.MAX_UNREAD + 1
+    for _ in range(exportproc.FRAME_RECORDS):
+        export.add(("00-" + "1" * 32 + "-",), 3)
+    assert len(written) == 1 and export.counts["dropped"] == 3 * exportproc.FRAME_RECORDS
+    assert export._records == [] and export._starting is None
