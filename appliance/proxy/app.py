@@ -32,10 +32,10 @@ from appliance.proxy.nodes.health import HealthPoller
 from appliance.proxy.ownership import Holder, PrefillKV, Pulls
 from appliance.proxy.ownership.release import KVReleaser
 from appliance.proxy.placement import Decision, Placement, Ticket
+from appliance.proxy.placement.routing import Router
 from appliance.proxy.prefix import Lookup, PrefixCache
 from appliance.proxy.record import Record
 from appliance.proxy.relay import Relay
-from appliance.proxy.routing import Router
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.split import (
     CHAT,

@@ -24,7 +24,7 @@ from appliance.proxy.nodes.k8s_settings import DEFAULT_BOOTSTRAP_PORT, Kubernete
 
 # Adaptive disaggregation's policy (appliance.proxy.placement).
 Split = Literal["always", "never", "auto"]
-# Which P and D serve a request (appliance.proxy.routing).
+# Which P and D serve a request (appliance.proxy.placement.routing).
 RoutingPolicy = Literal["round_robin", "least_outstanding", "cache_aware", "cache_aware_sglang"]
 
 DEFAULT_PORT = 8000
@@ -81,8 +81,8 @@ class ProxySettings(BaseModel):
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     prefill: list[PrefillNode] = Field(default_factory=list)
     decode: list[DecodeNode] = Field(default_factory=list)
-    # cache_aware: by the prefix index, against load (appliance.proxy.routing); without the
-    # index, round robin.
+    # cache_aware: by the prefix index, against load (appliance.proxy.placement.routing);
+    # without the index, round robin.
     policy: RoutingPolicy = "cache_aware"
 
     health_interval_s: float = Field(2.0, gt=0)

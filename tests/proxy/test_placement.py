@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
-from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
 from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.placement import Decision, Estimates, Placement, Ticket, decide
+from appliance.proxy.placement.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.record import Record
 from appliance.proxy.settings import load_settings
@@ -349,7 +349,7 @@ def test_a_burst_on_new_prefixes_computes_each_prefix_once(
     and the node computed prefixes on both (measured on that workload: the burst ended
     0.4 s after the one server's)."""
     assert _burst(order) == {"p": 2048, "d": 2048}  # 4 x 768 + 8 x 128, halved
-    monkeypatch.setattr("appliance.proxy.placement.DUPLICATE_SHARE", 0.0)
+    monkeypatch.setattr("appliance.proxy.placement.decision.DUPLICATE_SHARE", 0.0)
     if order == "AABBCCDD":
         assert _burst(order) == {"p": 3584, "d": 3584}
 

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from appliance.proxy.nodes.backends import Backend, PrefillBackend
-from appliance.proxy.routing import LeastOutstanding, RoundRobin, Router
+from appliance.proxy.placement.routing import LeastOutstanding, RoundRobin, Router
 from appliance.proxy.settings import API_KEYS_ENV, load_settings
 
 

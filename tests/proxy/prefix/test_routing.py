@@ -4,14 +4,14 @@ SGLang gateway's rule on the same index; without a lookup both are round robin."
 from __future__ import annotations
 
 from appliance.proxy.nodes.backends import Backend
-from appliance.proxy.prefix import Lookup
-from appliance.proxy.routing import (
+from appliance.proxy.placement.routing import (
     SGLANG_BALANCE_ABS,
     CacheAwareDecode,
     CacheAwarePrefill,
     Router,
     SGLangCacheAware,
 )
+from appliance.proxy.prefix import Lookup
 
 
 def _nodes(role: str, *loads: int, queued: tuple[int, ...] = ()) -> list[Backend]:

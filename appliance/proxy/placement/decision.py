@@ -14,7 +14,7 @@ P serves whole requests while D decodes more of them than P does (or as many, wh
 cache holds more of the prompt) and its recent prefills are short (this prompt's, and
 three in five of the latest prompts' as P computed them, D's counting as none: within four
 budgets; a P that is asked for long prefills decodes nothing, so they stall no one). What
-`auto` weighs (appliance.proxy.costmodel):
+`auto` weighs (appliance.proxy.placement.costmodel):
 
 - the prompt's tokens that each node would compute: exact when the prefix index has
   them (appliance.proxy.prefix: the engines' own KV events, the prompt's ids from
@@ -46,8 +46,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from appliance.proxy.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
 from appliance.proxy.nodes.backends import Backend
+from appliance.proxy.placement.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.settings import Split
 from appliance.proxy.split import CHAT
