@@ -125,9 +125,9 @@ class ExportProcess:
 
     async def close(self) -> None:
         """What is queued goes down the pipe; the exporter sends it and exits."""
+        self._closing = True  # first: a last frame with no exporter starts none
         if self._records:
             self._send()
-        self._closing = True
         if self._starting is not None:
             await self._starting
         proc = self._proc

@@ -68,9 +68,9 @@ class SpanExport:
 
     def __init__(self, endpoint: str, protocol: str, resource: Mapping[str, str | int],
                  scope: str, env: Mapping[str, str] = os.environ,
-                 encode: Callable[[Any], bytes] | None = None) -> None:
-        """`encode`: what turns a queued entry into its spans' bytes, when entries are
-        queued as they were recorded and written a batch at a time."""
+                 encode: Callable[[Any], bytes] = bytes) -> None:
+        """`encode`: what turns a queued entry into its spans' bytes (entries queued as
+        recorded, written a batch at a time); by default entries are the bytes."""
         if protocol not in ("grpc", "http/protobuf"):
             raise ValueError(f"OTLP protocol {protocol!r}: one of grpc, http/protobuf")
         self.endpoint, self.protocol = endpoint, protocol
@@ -137,10 +137,8 @@ class SpanExport:
                 take += 1
             batch, self._entries = self._entries[:take], self._entries[take:]
             self._queued -= n
-            encode = self.encode
             body = otlpwire.request(self.resource, self.scope,
-                                    [b for b, _ in batch] if encode is None
-                                    else [encode(raw) for raw, _ in batch])
+                                    [self.encode(raw) for raw, _ in batch])
             if await self._deliver(body):
                 self.counts["exported"] += n
             else:

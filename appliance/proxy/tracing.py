@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from appliance.observability import otlpwire as wire
 from appliance.observability.exportproc import ExportProcess
@@ -28,37 +28,6 @@ _OUTPUT, _PROMPT = wire.Key("pd.output_tokens"), wire.Key("pd.prompt_tokens")
 _CACHE_MAX = 4096
 _bits = random.getrandbits
 _time_ns, _monotonic_ns = time.time_ns, time.monotonic_ns
-
-
-class Call(NamedTuple):
-    """One call to a node, as recorded (the hot path makes plain tuples of this layout,
-    and they cross the pipe as lists)."""
-
-    role: str
-    span_id: int
-    url: str
-    transfer_id: str
-    start_ns: int
-    end_ns: int
-
-
-class Finished(NamedTuple):
-    """One request's trace as recorded (a plain tuple, then a list, likewise)."""
-
-    traceparent: str  # "00-<trace id>-": the trace id as its calls' headers carry it
-    start_ns: int
-    end_ns: int
-    request_id: str
-    route: str
-    status: int
-    path: str
-    transfer_id: str
-    output_tokens: int
-    prompt_tokens: int
-    placed: str | None
-    fallback: str | None
-    error: str | None
-    calls: list[Call]
 
 
 class Tracing:
@@ -81,7 +50,10 @@ class Tracing:
 
 
 class SpanWriter:
-    """Records (Finished's fields) as OTLP spans: the exporter process's writer."""
+    """A request's record (RequestTrace.finish; its fields as `encode` unpacks them) as
+    OTLP spans: the exporter process's writer. Records cross the pipe as msgpack, so
+    tuples arrive as lists; the trace id travels as its traceparent prefix ("00-<id>-"),
+    ids and clock readings (epoch ns) as ints."""
 
     resource = {"service.name": "pd-proxy"}
     scope = "appliance.proxy"
@@ -169,7 +141,8 @@ class RequestTrace:
         self._add = export.add
         self._parent = f"00-{_bits(128) or 1:032x}-"  # a call's span id follows
         self._start = rec.started  # the client's request has been read by then
-        self._calls: list[list[Any]] = []  # Call's fields; the end 0 while it runs
+        # Each call: role, span id, node, transfer id, start and end (0 while it runs).
+        self._calls: list[list[Any]] = []
 
     def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
         """A call to a `role` node begins (ending this request's earlier one there): its
@@ -193,7 +166,7 @@ class RequestTrace:
             call[5] = (call[5] or now) + wall
         placed = rec.placed
         error = (rec.error or str(rec.status)) if rec.status >= 500 or rec.error else None
-        self._add((  # Finished's fields
+        self._add((  # as SpanWriter.encode unpacks it
             self._parent, round(self._start * 1e9) + wall, now + wall, rec.request_id,
             rec.route, rec.status, rec.path, rec.transfer_id,
             rec.usage_output or rec.tokens_out, rec.usage_prompt or rec.prompt_tokens or 0,

@@ -198,3 +198,17 @@ async def test_records_the_exporter_does_not_read_are_dropped_and_counted() -> N
         export.add(("00-" + "1" * 32 + "-",), 3)
     assert len(written) == 1 and export.counts["dropped"] == 3 * exportproc.FRAME_RECORDS
     assert export._records == [] and export._starting is None
+
+
+async def test_closing_with_no_exporter_drops_the_last_records_and_starts_none(
+        monkeypatch) -> None:
+    export = exportproc.ExportProcess("http://127.0.0.1:1/v1/traces", "http/protobuf",
+                                      "appliance.proxy.tracing:SpanWriter")
+
+    async def spawn() -> None:
+        raise AssertionError("an exporter started while closing")
+
+    monkeypatch.setattr(export, "_spawn", spawn)
+    export.add(("00-" + "1" * 32 + "-",), 3)  # its exporter died long ago
+    await export.close()
+    assert export.counts["dropped"] == 3 and export._starting is None
