@@ -154,7 +154,7 @@ class LocalNode:
                 [sys.executable, "-m", "appliance.proxy", "--host", s.proxy_host or s.host,
                  "--port", str(s.proxy_port), "--prefill", f"{s.prefill_url},{s.bootstrap_url}",
                  "--decode", s.decode_url, *self._proxy_keys(), *self._tracing_args(),
-                 *self._tokenizer_args(),
+                 *self._tokenizer_args(), "--kv-block-size", str(CPU_BLOCK_SIZE),
                  # within ServiceProcess.stop's 20 s before SIGKILL
                  "--drain-grace", "10", *s.proxy_args],
                 s.log_dir / "proxy.log", health_url=f"{s.proxy_url}/health")

@@ -130,7 +130,8 @@ class Proxy:
             self.prefix = PrefixCache(self.session, self.base_headers,
                                       lambda: [b.url for b in self.backends.all()],
                                       s.prefix_hash_seed, s.kv_events_resync_s,
-                                      s.tokenize_timeout_s, s.tokenizer)
+                                      s.tokenize_timeout_s, s.tokenizer,
+                                      s.kv_block_size)
             self.prefix.start()
         if self.settings.discovery == "kubernetes":
             # Nodes come and go with the pods; the poller checks each new one at once.

@@ -166,6 +166,10 @@ class ProxySettings(BaseModel):
     # proxy warns at its start; the folder is read where the proxy runs, not where its
     # settings are rendered): every prompt asks a D's /tokenize.
     tokenizer: str | None = None
+    # The engines' KV block size (their --block-size; pdctl, compose and the chart pass it):
+    # the index predicts from a node's first requests, before its first KV event has said
+    # it. Unset: learned from that event. An event's size wins over this one.
+    kv_block_size: int | None = Field(None, ge=1)
 
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Bearer keys for the /v1/ routes; empty: no auth.
@@ -350,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="FOLDER",
                    help="the model's tokenizer folder: tokenize prompts for the prefix index "
                         "in process instead of asking a D's /tokenize")
+    p.add_argument("--kv-block-size", dest="kv_block_size", type=int, metavar="TOKENS",
+                   help="the engines' --block-size: the prefix index predicts from the first "
+                        "requests (default: learned from the first KV event)")
     p.add_argument("--max-body-bytes", type=int, metavar="BYTES")
     p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
                    help=f"accepted Bearer key (repeatable; also ${API_KEYS_ENV}, comma-separated)")

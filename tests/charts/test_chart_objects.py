@@ -315,6 +315,10 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
             assert flag(args, "--max-num-batched-tokens") == str(budget)
         else:
             assert "--max-num-batched-tokens" not in args
+    # The engines' block size, which the prefix index hashes by from the first request.
+    for role in ROLES:
+        assert got["--kv-block-size"] == flag(container(workload(docs, role), "vllm")["args"],
+                                              "--block-size")
     # proxy.tokenizer: the model's volume, mounted as P and D mount it, and its path.
     proxy_pod = pod(workload(docs, "proxy"))
     model_mounts = [m for m in container(workload(docs, "proxy"), "proxy")["volumeMounts"]

@@ -64,8 +64,12 @@ class Lookup:
 class PrefixCache:
     def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str],
                  nodes: Callable[[], Iterable[str]], seed: str, resync_s: float,
-                 tokenize_timeout_s: float, tokenizer: str | None = None) -> None:
+                 tokenize_timeout_s: float, tokenizer: str | None = None,
+                 block_size: int | None = None) -> None:
         self.session = session
+        # The engines' block size as configured: lookups predict (and `expect`) before the
+        # first KV event; until then, a burst of one prefix would compute it on every node.
+        self.block_size = block_size
         self.headers = headers
         self.index = PrefixIndex(seed)
         self.events = KVEvents(self.index, nodes, session, headers, resync_s)
@@ -93,11 +97,12 @@ class PrefixCache:
 
     async def lookup(self, body: dict[str, Any], route: str, estimate: int, ask: str,
                      nodes: Sequence[str]) -> Lookup | None:
-        """None when nothing can be predicted: no node holds blocks, the prompt is shorter
+        """None when nothing can be predicted: no block size known (not configured, no
+        event yet) or no node holds blocks while none is configured, the prompt is shorter
         than one block, or its tokens cannot be had (asked of `ask`'s /tokenize)."""
-        if not self.index.has_blocks():
+        if self.block_size is None and not self.index.has_blocks():
             return None
-        size = self.index.block_size(nodes)
+        size = self.index.block_size(nodes) or self.block_size
         if size is None or estimate < size // 2:  # estimates err; a block's worth is cheap
             return None
         what = tokenize_body(body, route)

@@ -63,9 +63,8 @@ lifecycle:
 {{- end -}}
 {{- $stepTokens := ternary (ternary 256 0 (eq $v.stack "cpu")) $m.maxNumBatchedTokens (kindIs "invalid" $m.maxNumBatchedTokens) -}}
 {{- if gt (int64 $stepTokens) 0 }}{{ $args = concat $args (list "--max-num-batched-tokens" (toString (int64 $stepTokens))) }}{{ end -}}
-{{- $block := $m.blockSize | default (ternary 32 16 (eq $v.stack "cpu")) -}}
 {{- $args = concat $args (list "--tensor-parallel-size" (include "pd-appliance.tp" .)
-      "--block-size" (toString (int $block))
+      "--block-size" (include "pd-appliance.blockSize" $ctx)
       "--gpu-memory-utilization" (toString $m.gpuMemoryUtilization)) -}}
 {{- with $m.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int64 .))) }}{{ end -}}
 {{- with $m.kvCacheBytes }}{{ $args = concat $args (list "--kv-cache-memory-bytes" (toString (int64 .))) }}{{ end -}}
@@ -282,4 +281,10 @@ livenessProbe:
   volumeMounts:
     {{- include "pd-appliance.keysMount" . | nindent 4 }}
     - {name: bootstrap-tmp, mountPath: /tmp}
+{{- end -}}
+
+{{/* The engines' KV block size (P's and D's --block-size; the proxy's --kv-block-size). */}}
+{{- define "pd-appliance.blockSize" -}}
+{{- $v := .Values -}}
+{{- toString (int ($v.model.blockSize | default (ternary 32 16 (eq $v.stack "cpu")))) -}}
 {{- end -}}

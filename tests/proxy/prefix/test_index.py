@@ -145,6 +145,41 @@ async def test_a_lookup_counts_what_a_node_computes_now_but_a_pull_does_not():
     await cache.stop()
 
 
+async def test_a_configured_block_size_predicts_before_the_first_event():
+    """A cold node's first burst: before any engine has sent an event, a proxy told the
+    block size still hashes each prompt, so the second request of a prefix sees the first
+    computing it; unconfigured, nothing is predicted until an event says the size, and
+    then the event's size wins over a configured one."""
+    from appliance.proxy.prefix import PrefixCache
+
+    nodes = ["http://p", "http://d"]
+    body = {"model": "m", "prompt": PROMPT}
+    cold = PrefixCache(None, {}, lambda: (), hashing.DEFAULT_SEED, 5.0, 1.0)  # type: ignore[arg-type]
+    assert await cold.lookup(body, "/v1/completions", len(PROMPT), "", nodes) is None
+    cache = PrefixCache(None, {}, lambda: (), hashing.DEFAULT_SEED, 5.0, 1.0,  # type: ignore[arg-type]
+                        block_size=SIZE)
+    for node in nodes:  # subscribed (appliance.proxy.prefix.events), nothing heard yet
+        cache.index.source(node, 0)
+    first = await cache.lookup(body, "/v1/completions", len(PROMPT), "", nodes)
+    assert first is not None and first.block_size == SIZE
+    assert first.hashes == tuple(_ext(PROMPT)[:4]) and first.cached == {n: 0 for n in nodes}
+    cache.expect("http://p", first)
+    second = await cache.lookup(body, "/v1/completions", len(PROMPT), "", nodes)
+    assert second is not None and second.cached == {"http://p": 4 * SIZE, "http://d": 0}
+    cache.unexpect("http://p", first)
+    other = list(range(500, 518))
+    ext = [hashing.external(h) for h in hashing.chain(other, 2 * SIZE)]
+    cache.index.apply(cache.index.source("http://d", 0), 0, [BlockStored(
+        block_hashes=ext, parent_block_hash=None, token_ids=other[:len(ext) * 2 * SIZE],
+        block_size=2 * SIZE, medium="GPU")])
+    third = await cache.lookup({"model": "m", "prompt": other}, "/v1/completions",
+                               len(other), "", nodes)
+    assert third is not None and third.block_size == 2 * SIZE
+    assert third.cached == {"http://p": 0, "http://d": 2 * 2 * SIZE}
+    await cache.stop()
+    await cold.stop()
+
+
 def test_cached_and_expected_in_one_pass():
     """Events hold the first block, a prompt in flight the next two: 1 stored, 3 with it;
     a block stored after a gap in the run counts for neither."""

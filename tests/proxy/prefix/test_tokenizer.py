@@ -159,6 +159,9 @@ def test_the_local_node_gives_the_proxy_its_models_tokenizer(tiny_model, tmp_pat
     assert node.proxy is not None
     argv = node.proxy.argv
     assert argv[argv.index("--tokenizer") + 1] == str(tiny_model.resolve())
+    # and the engines' block size, so its index predicts from the first request
+    assert argv[argv.index("--kv-block-size") + 1] == \
+        node.decode.argv[node.decode.argv.index("--block-size") + 1]
     # (and D's prefill chunk, the CPU stack's default; P's prefills are whole)
     d_argv, p_argv = node.decode.argv, node.prefill.argv
     assert d_argv[d_argv.index("--long-prefill-token-threshold") + 1] == "128"
