@@ -43,6 +43,7 @@ from gitref import checkout  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
 from appliance.process import (  # noqa: E402
+    CPU_BLOCK_SIZE,
     DECODE_PREFILL_CHUNK,
     ENGINE_STEP_TOKENS,
     KV_EVENTS_FLAGS,
@@ -96,7 +97,7 @@ def serve(name: str, model: Path, port: int, cpus: tuple[int, ...], log_dir: Pat
           args: tuple[str, ...] = ()) -> ServiceProcess:
     # The appliance's P and D publish KV events for the proxy's prefix index, as pdctl's do.
     events = KV_EVENTS_FLAGS if kv_config and kv_config["kv_connector"] == "PDConnector" else ()
-    argv = vllm_serve_argv(model, port, served_model_name=SERVED, block_size=32,
+    argv = vllm_serve_argv(model, port, served_model_name=SERVED, block_size=CPU_BLOCK_SIZE,
                            max_model_len=4096,
                            extra=(*FLAGS, *tinymodel.spec_of(model).serve_args, *events,
                                   *args),
@@ -174,6 +175,7 @@ def appliance_setup(model: Path, log_dir: Path, split: str = "always",
                           f"{servers.prefill_url},{servers.bootstrap_url}",
                           "--decode", str(servers.decode_url), "--split", split,
                           *(("--tokenizer", folder) if folder else ()),
+                          "--kv-block-size", str(CPU_BLOCK_SIZE),
                           *(() if log_requests else ("--no-log-requests",))],
         log_dir / f"{name}-proxy.log", health_url=f"http://127.0.0.1:{port}/health")
     return Setup(name, [*servers.services, proxy], proxy_url=f"http://127.0.0.1:{port}",
