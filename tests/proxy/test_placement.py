@@ -389,6 +389,8 @@ def test_settings_refuse_bad_values_in_one_line() -> None:
         load_settings(["--split", "sometimes"])
     with pytest.raises(ValidationError, match="itl_slo_ms"):
         load_settings(["--itl-slo-ms", "0"])
+    with pytest.raises(ValidationError, match="kv_block_size"):
+        load_settings(["--kv-block-size", "0"])
     assert load_settings([]).split == "auto"
 
 

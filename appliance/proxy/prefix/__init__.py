@@ -97,9 +97,9 @@ class PrefixCache:
 
     async def lookup(self, body: dict[str, Any], route: str, estimate: int, ask: str,
                      nodes: Sequence[str]) -> Lookup | None:
-        """None when nothing can be predicted: no block size known (not configured, no
-        event yet) or no node holds blocks while none is configured, the prompt is shorter
-        than one block, or its tokens cannot be had (asked of `ask`'s /tokenize)."""
+        """None when nothing can be predicted: no block size (none given, no event yet),
+        no block held anywhere while none was given, a prompt shorter than one block, or
+        its tokens not to be had (asked of `ask`'s /tokenize)."""
         if self.block_size is None and not self.index.has_blocks():
             return None
         size = self.index.block_size(nodes) or self.block_size
