@@ -26,6 +26,9 @@ _REQUEST_ID, _TRANSFER_ID = wire.Key("pd.request_id"), wire.Key("pd.transfer_id"
 _OUTPUT, _PROMPT = wire.Key("pd.output_tokens"), wire.Key("pd.prompt_tokens")
 # Attributes with few values (nodes, routes, paths, statuses), written once each.
 _CACHE_MAX = 4096
+# A request's calls that get spans (their span ids' last hex digit is 1 to 15).
+_DIGITS = "0123456789abcdef"
+MAX_CALLS = 15
 _bits = random.getrandbits
 _time_ns, _monotonic_ns = time.time_ns, time.monotonic_ns
 
@@ -52,8 +55,8 @@ class Tracing:
 class SpanWriter:
     """A request's record (RequestTrace.finish; its fields as `encode` unpacks them) as
     OTLP spans: the exporter process's writer. Records cross the pipe as msgpack, so
-    tuples arrive as lists; the trace id travels as its traceparent prefix ("00-<id>-"),
-    ids and clock readings (epoch ns) as ints."""
+    tuples arrive as lists; the trace id and the span ids' stem travel as the calls'
+    traceparent prefix ("00-<trace id>-<stem>"), clock readings as numbers."""
 
     resource = {"service.name": "pd-proxy"}
     scope = "appliance.proxy"
@@ -83,33 +86,36 @@ class SpanWriter:
 
     def encode(self, raw: Any) -> bytes:
         """A request's spans: its own, then one per call, children of it. Unpacked by
-        position: this runs for every request traced."""
-        (parent, start_ns, end_ns, request_id, route, status, path, transfer_id, output,
-         prompt, placed, fallback, error, calls) = raw
+        position: this runs for every request traced. Clock readings arrive monotonic
+        (the request's start in seconds, the rest in ns) with the offset that makes them
+        the epoch's; span ids arrive as their traceparent's hex (RequestTrace)."""
+        (parent, wall, started, end_ns, request_id, route, status, path, transfer_id,
+         output, prompt, where, reason, fallback, error, calls) = raw
         trace_id = bytes.fromhex(parent[3:35])
-        span_id = (_bits(64) or 1).to_bytes(8, "big")
+        base = parent[36:]
+        span_id = bytes.fromhex(base + "0")
         rid = _REQUEST_ID.str(request_id)
         xfer = _TRANSFER_ID.str(transfer_id) if transfer_id else b""
         attr, span = self.attr, wire.span
         out = []
-        for role, call_id, url, call_xfer, call_start, call_end in calls:
+        for index, (role, url, call_xfer, call_start, call_end) in enumerate(calls):
             if call_xfer != transfer_id:  # a call made before the transfer was named
                 call_xfer = _TRANSFER_ID.str(call_xfer) if call_xfer else b""
             else:
                 call_xfer = xfer
-            out.append(span(trace_id, call_id.to_bytes(8, "big"), span_id, self.name(role),
-                            call_start, call_end, b"".join((attr("pd.node", url), rid,
-                                                            call_xfer))))
+            out.append(span(trace_id, bytes.fromhex(base + _DIGITS[index + 1]), span_id,
+                            self.name(role), call_start + wall, (call_end or end_ns) + wall,
+                            b"".join((attr("pd.node", url), rid, call_xfer))))
         attrs = [attr("http.route", route), rid, attr("http.status_code", status),
                  attr("pd.path", path), xfer, _OUTPUT.int(output)]
-        if placed is not None:
-            attrs.append(attr("pd.split", placed))
+        if where is not None:
+            attrs.append(attr("pd.split", f"{where}:{reason}"))
         if fallback:
             attrs.append(wire.attr("pd.fallback", fallback))
         if prompt:
             attrs.append(_PROMPT.int(prompt))
-        out.append(span(trace_id, span_id, None, _REQUEST, start_ns, end_ns, b"".join(attrs),
-                        error))
+        out.append(span(trace_id, span_id, None, _REQUEST, round(started * 1e9) + wall,
+                        end_ns + wall, b"".join(attrs), error))
         return b"".join(out)
 
 
@@ -133,42 +139,47 @@ class Unsampled:
 
 class RequestTrace:
     """A sampled request's ids and clock readings, as its calls begin and end: the least
-    work that makes its spans, on the proxy's hot path."""
+    work that makes its spans, on the proxy's hot path (a few objects per request: each
+    costs the proxy's one core more under load than its bytecode suggests).
 
-    __slots__ = ("_add", "_parent", "_start", "_calls")
+    One random number names it all: the trace id, and a 60-bit stem of the span ids whose
+    last hex digit is 0 for the request's own span and the call's index + 1 for a call's
+    (unique within the trace, which is all a span id needs; vLLM's spans bring their own)."""
+
+    __slots__ = ("_add", "_parent", "_calls")
 
     def __init__(self, export: ExportProcess, rec: Record) -> None:
         self._add = export.add
-        self._parent = f"00-{_bits(128) or 1:032x}-"  # a call's span id follows
-        self._start = rec.started  # the client's request has been read by then
-        # Each call: role, span id, node, transfer id, start and end (0 while it runs).
+        trace = f"{_bits(128) or 1:032x}"
+        self._parent = f"00-{trace}-{trace[17:]}"  # a call's digit, then "-01", follows
+        # Each call: role, node, transfer id, start and end (monotonic ns; 0 while it runs).
         self._calls: list[list[Any]] = []
 
     def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
         """A call to a `role` node begins (ending this request's earlier one there): its
         span's context goes in the call's `headers`."""
-        self.end(role)
-        span_id = _bits(64) or 1
-        self._calls.append([role, span_id, url, rec.transfer_id, _monotonic_ns(), 0])
-        headers["traceparent"] = f"{self._parent}{span_id:016x}-01"
+        calls = self._calls
+        if calls:
+            self.end(role)
+            if len(calls) >= MAX_CALLS:  # retried past reason: vLLM's span joins the request's
+                headers["traceparent"] = f"{self._parent}0-01"
+                return
+        headers["traceparent"] = f"{self._parent}{_DIGITS[len(calls) + 1]}-01"
+        calls.append([role, url, rec.transfer_id, _monotonic_ns(), 0])
 
     def end(self, role: str) -> None:
         for call in self._calls:
-            if call[0] == role and not call[5]:
-                call[5] = _monotonic_ns()
+            if call[0] == role and not call[4]:
+                call[4] = _monotonic_ns()
 
     def finish(self, rec: Record) -> None:
         now = _monotonic_ns()
-        wall = _time_ns() - now  # monotonic readings to the epoch's, once per request
-        calls = self._calls
-        for call in calls:
-            call[4] += wall
-            call[5] = (call[5] or now) + wall
         placed = rec.placed
         error = (rec.error or str(rec.status)) if rec.status >= 500 or rec.error else None
+        calls = self._calls
         self._add((  # as SpanWriter.encode unpacks it
-            self._parent, round(self._start * 1e9) + wall, now + wall, rec.request_id,
-            rec.route, rec.status, rec.path, rec.transfer_id,
-            rec.usage_output or rec.tokens_out, rec.usage_prompt or rec.prompt_tokens or 0,
-            None if placed is None else f"{placed.where}:{placed.reason}", rec.fallback, error,
-            calls), 1 + len(calls))
+            self._parent, _time_ns() - now, rec.started, now, rec.request_id, rec.route,
+            rec.status, rec.path, rec.transfer_id, rec.usage_output or rec.tokens_out,
+            rec.usage_prompt or rec.prompt_tokens or 0,
+            None if placed is None else placed.where, None if placed is None else placed.reason,
+            rec.fallback, error, calls), 1 + len(calls))

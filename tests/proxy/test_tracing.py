@@ -212,3 +212,39 @@ async def test_closing_with_no_exporter_drops_the_last_records_and_starts_none(
     export.add(("00-" + "1" * 32 + "-",), 3)  # its exporter died long ago
     await export.close()
     assert export.counts["dropped"] == 3 and export._starting is None
+
+
+async def test_span_ids_are_unique_in_a_trace_and_a_call_past_the_cap_joins_the_request() -> None:
+    """One random number names a request's trace and spans: the calls' span ids differ from
+    each other and from the request's; calls past MAX_CALLS carry the request's own span
+    as their parent. The exporter's writer makes the spans the headers promised."""
+    import msgspec
+    from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
+
+    from appliance.proxy.record import Record
+    from appliance.proxy.tracing import MAX_CALLS, RequestTrace, SpanWriter
+
+    records: list[tuple] = []
+    export = SimpleNamespace(add=lambda record, n: records.append((record, n)))
+    rec = Record("/v1/completions", "req-1", time.monotonic())
+    trace = RequestTrace(export, rec)  # type: ignore[arg-type]
+    parents = []
+    for i in range(MAX_CALLS + 3):
+        headers: dict[str, str] = {}
+        trace.call("prefill" if i % 2 else "decode", "http://p", rec, headers)
+        parents.append(headers["traceparent"])
+    rec.status = 200
+    trace.finish(rec)
+    (raw, n), = records
+    assert n == 1 + MAX_CALLS
+    spans = ScopeSpans.FromString(SpanWriter().encode(msgspec.msgpack.decode(
+        msgspec.msgpack.encode(raw))))  # as it crosses the exporter's pipe
+    root, = [s for s in spans.spans if s.name == "pd.request"]
+    calls = [s for s in spans.spans if s.name != "pd.request"]
+    assert [s.span_id.hex() for s in calls] == [span_id_of(p) for p in parents[:MAX_CALLS]]
+    assert len({root.span_id, *(s.span_id for s in calls)}) == 1 + MAX_CALLS
+    assert all(s.parent_span_id == root.span_id and s.trace_id == root.trace_id
+               and s.end_time_unix_nano >= s.start_time_unix_nano for s in calls)
+    assert {span_id_of(p) for p in parents[MAX_CALLS:]} == {root.span_id.hex()}
+    assert {trace_id_of(p) for p in parents} == {root.trace_id.hex()}
+    assert abs(root.end_time_unix_nano - time.time_ns()) < 5e9
