@@ -53,8 +53,8 @@ from appliance.process import (  # noqa: E402
     step_tokens_flags,
     vllm_serve_argv,
 )
+from appliance.proxy.exchange.split import COMPLETIONS, decode_body, prefill_body  # noqa: E402
 from appliance.proxy.prefix.tokenizer import folder_of  # noqa: E402
-from appliance.proxy.split import COMPLETIONS, decode_body, prefill_body  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 KV_BYTES = str(512 * 2**20)  # room for 4 concurrent 2,000-token prompts of 48 KiB/token

@@ -21,10 +21,17 @@ from aiohttp import web
 from appliance import bearer
 from appliance.connector.sidechannel import curve
 from appliance.httperrors import json_error
-from appliance.proxy import first_token
 from appliance.proxy.admission import Admission
 from appliance.proxy.errors import NodeDown, ProxyError
-from appliance.proxy.exchange import Exchange
+from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.paths import Exchange
+from appliance.proxy.exchange.relay import Relay
+from appliance.proxy.exchange.split import (
+    CHAT,
+    COMPLETIONS,
+    parse_request,
+    uuid4_str,
+)
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
@@ -35,14 +42,7 @@ from appliance.proxy.placement import Decision, Placement, Ticket
 from appliance.proxy.placement.routing import Router
 from appliance.proxy.prefix import Lookup, PrefixCache
 from appliance.proxy.record import Record
-from appliance.proxy.relay import Relay
 from appliance.proxy.settings import ProxySettings
-from appliance.proxy.split import (
-    CHAT,
-    COMPLETIONS,
-    parse_request,
-    uuid4_str,
-)
 from appliance.proxy.tracing import Tracing
 from appliance.proxy.upstream import Upstreams
 

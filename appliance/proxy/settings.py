@@ -138,7 +138,7 @@ class ProxySettings(BaseModel):
     fallback_on_prefill_stop: bool = False
 
     # Streaming requests: send P's token to the client as soon as P answers, then ask D to
-    # continue after it (appliance.proxy.first_token). TTFT becomes P's alone; the second
+    # continue after it (appliance.proxy.exchange.first_token). TTFT becomes P's alone; the second
     # token comes after the transfer and one D step. Off: D gives every token.
     first_token_from_prefill: bool = True
 

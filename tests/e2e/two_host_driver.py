@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-from appliance.proxy.split import COMPLETIONS, decode_body, prefill_body
+from appliance.proxy.exchange.split import COMPLETIONS, decode_body, prefill_body
 from tests.e2e.conftest import post_json
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from appliance.pdctl.status import metric_samples, sum_samples
+from appliance.proxy.exchange.relay import token_events
 from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.relay import token_events
 from tests.proxy.conftest import Cluster, MakeCluster
 
 

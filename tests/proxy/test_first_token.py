@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from appliance.proxy.first_token import (
+from appliance.proxy.exchange.first_token import (
     ClientStream,
     PrefillAnswer,
     continuation_request,
@@ -17,7 +17,7 @@ from appliance.proxy.first_token import (
     parse_prefill_answer,
     prefill_request,
 )
-from appliance.proxy.split import CHAT, COMPLETIONS
+from appliance.proxy.exchange.split import CHAT, COMPLETIONS
 from tests.proxy.conftest import Cluster, MakeCluster
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from appliance.proxy.errors import ProxyError, sse_error_event, upstream_error_body
-from appliance.proxy.split import (
+from appliance.proxy.exchange.split import (
     CHAT,
     COMPLETIONS,
     decode_body,

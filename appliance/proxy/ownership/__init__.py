@@ -20,8 +20,8 @@ from appliance.proxy.upstream.response import Response, UpstreamError
 
 log = logging.getLogger("appliance.proxy.kv")
 
-# D's call failed over because the P it waits on went down (appliance.proxy.relay retries it
-# on D alone).
+# D's call failed over because the P it waits on went down (appliance.proxy.exchange.relay
+# retries it on D alone).
 PREFILL_DOWN = "prefill_down"
 
 

@@ -46,11 +46,11 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from appliance.proxy.exchange.split import CHAT
 from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.placement.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.settings import Split
-from appliance.proxy.split import CHAT
 
 # Without an itl_slo_ms, a local prefill may add up to this many of D's unstalled steps.
 ITL_BUDGET_STEPS = 3.0

@@ -18,15 +18,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from appliance.proxy import first_token
 from appliance.proxy.errors import NodeDown, ProxyError, status_kind, upstream_error_body
-from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
-from appliance.proxy.ownership import PREFILL_DOWN, Holder, PrefillKV, Pulls
-from appliance.proxy.record import Record
-from appliance.proxy.relay import Relay, json_response
-from appliance.proxy.settings import ProxySettings
-from appliance.proxy.split import (
+from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.relay import Relay, json_response
+from appliance.proxy.exchange.split import (
     COMPLETIONS,
     decode_body,
     new_transfer_id,
@@ -34,6 +29,11 @@ from appliance.proxy.split import (
     prefill_finish_reason,
     prefill_prompt_tokens,
 )
+from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
+from appliance.proxy.ownership import PREFILL_DOWN, Holder, PrefillKV, Pulls
+from appliance.proxy.record import Record
+from appliance.proxy.settings import ProxySettings
 from appliance.proxy.upstream import Pool, Response, UpstreamError, Upstreams, wait_any
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from appliance.proxy import first_token
 from appliance.proxy.errors import (
     NodeDown,
     ProxyError,
@@ -22,12 +21,13 @@ from appliance.proxy.errors import (
     status_kind,
     upstream_error_body,
 )
+from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.split import answer_usage
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.ownership import PREFILL_DOWN
 from appliance.proxy.record import Record
 from appliance.proxy.settings import ProxySettings
-from appliance.proxy.split import answer_usage
 from appliance.proxy.upstream.response import Response, UpstreamError
 
 _encode = msgspec.json.encode

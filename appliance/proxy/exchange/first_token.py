@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.proxy.split import CHAT, prefill_body, pull_params, text_only
+from appliance.proxy.exchange.split import CHAT, prefill_body, pull_params, text_only
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
