@@ -27,7 +27,7 @@ from appliance.pdctl.cluster import cmd as clustercmd
 from appliance.pdctl.config import HostConfig, load_config
 from appliance.pdctl.draincmd import drain
 from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
-from appliance.pdctl.initcmd import init
+from appliance.pdctl.host.init import init
 from appliance.pdctl.top.cmd import top
 
 __all__ = ["Env", "cli", "main"]
@@ -101,7 +101,7 @@ def render(ctx: click.Context, config_path: Path | None, out_dir: Path | None,
 # ---- up / down / logs -------------------------------------------------------------------
 
 def _local_options(**kw: Any) -> Any:
-    from appliance.pdctl.local import LocalOptions, default_cache_dir, default_run_dir
+    from appliance.pdctl.local.node import LocalOptions, default_cache_dir, default_run_dir
 
     return LocalOptions(
         host=kw["host"], proxy_port=kw["port"], prefill_port=kw["prefill_port"],
@@ -149,13 +149,13 @@ def up(ctx: click.Context, config_path: Path | None, local: bool, no_wait: bool,
     """Start the node: docker compose (from the host config) or --local processes."""
     env = env_of(ctx)
     if local:
-        from appliance.pdctl.local import up_local
+        from appliance.pdctl.local.node import up_local
 
         ctx.exit(up_local(_local_options(**kw), env.out, detach=detach))
     if detach:
         raise click.UsageError("--detach only applies with --local (compose always detaches)")
     from appliance.pdctl.compose import compose_up, timings_table
-    from appliance.pdctl.doctor import run_checks
+    from appliance.pdctl.host.doctor import run_checks
     from appliance.pdctl.render import render as do_render
 
     cfg, path = load_host_config(config_path, env, host_checks=True)
@@ -184,7 +184,7 @@ def down(ctx: click.Context, config_path: Path | None, local: bool,
     """Stop the node (docker compose down, or the --local processes)."""
     env = env_of(ctx)
     if local:
-        from appliance.pdctl.local import default_run_dir, down_local
+        from appliance.pdctl.local.node import default_run_dir, down_local
 
         ctx.exit(down_local(run_dir or default_run_dir(), env.out))
     from appliance.pdctl.compose import compose_down
@@ -231,7 +231,7 @@ def logs(ctx: click.Context, service: str | None, config_path: Path | None, loca
                                f"{', '.join(known)})")
     names = [service] if service else list(known)
     if local:
-        from appliance.pdctl.local import default_run_dir, follow_file
+        from appliance.pdctl.local.node import default_run_dir, follow_file
 
         log_dir = (run_dir or default_run_dir()) / "logs"
         for name in names:
@@ -269,8 +269,8 @@ def status(ctx: click.Context, config_path: Path | None, local: bool, run_dir: P
            cluster_path: Path | None, as_json: bool) -> None:
     """Every service: up/down, health, engine ids, backends, counters. Exit 1 if unhealthy."""
     from appliance.pdctl import status as st
-    from appliance.pdctl.local import default_run_dir
-    from appliance.pdctl.localstate import LocalState, process_states
+    from appliance.pdctl.local.node import default_run_dir
+    from appliance.pdctl.local.state import LocalState, process_states
 
     env = env_of(ctx)
     if cluster_path is not None:
@@ -355,7 +355,7 @@ def doctor(ctx: click.Context, config_path: Path | None, as_json: bool,
            skips: tuple[str, ...]) -> None:
     """Check this host before starting: GPUs, GPUDirect, RDMA, memlock, ports, Docker, and
     what the node would expose (warnings)."""
-    from appliance.pdctl.doctor import Check, run_checks
+    from appliance.pdctl.host.doctor import Check, run_checks
 
     env = env_of(ctx)
     path = config_path_of(config_path)

@@ -14,8 +14,8 @@ from rich.console import Console
 from appliance.pdctl import config as cfgmod
 from appliance.pdctl.config import HostConfig, load_config
 from appliance.pdctl.errors import USAGE, ConfigError, PdctlError
-from appliance.pdctl.host import HostProbe
-from appliance.pdctl.hostcheck import host_problems
+from appliance.pdctl.host.check import host_problems
+from appliance.pdctl.host.probe import HostProbe
 from appliance.pdctl.runner import Runner, SubprocessRunner
 
 

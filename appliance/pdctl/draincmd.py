@@ -20,8 +20,8 @@ from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
 
 def proxy_target(config_path: Path | None, local: bool, run_dir: Path | None) -> tuple[str, Path]:
     """(the proxy's URL, the node's keys/api-key file)."""
-    from appliance.pdctl.local import default_run_dir
-    from appliance.pdctl.localstate import LocalState
+    from appliance.pdctl.local.node import default_run_dir
+    from appliance.pdctl.local.state import LocalState
 
     run_dir = run_dir or default_run_dir()
     state = LocalState.load(run_dir) if (local or config_path is None) else None

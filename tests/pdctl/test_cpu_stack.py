@@ -10,9 +10,9 @@ import pytest
 from appliance.kvbudget import MIB
 from appliance.pdctl.config import parse_config
 from appliance.pdctl.config.toml import to_toml
-from appliance.pdctl.doctor import run_checks, version_tuple
 from appliance.pdctl.errors import ConfigError
-from appliance.pdctl.host import HostProbe, parse_cpu_list, split_cpus
+from appliance.pdctl.host.doctor import run_checks, version_tuple
+from appliance.pdctl.host.probe import HostProbe, parse_cpu_list, split_cpus
 from appliance.process import KV_EVENTS_FLAGS
 from tests.pdctl.conftest import error_lines
 from tests.pdctl.test_render import flag, resolved

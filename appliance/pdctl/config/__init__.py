@@ -6,7 +6,7 @@ images, P and D on CPUs of their own, TCP).
 
 Structural problems come from pydantic, cross-field ones from `HostConfig.problems()`, and
 problems that need the host (a GPU index or RDMA device that does not exist) from
-`appliance.pdctl.hostcheck.host_problems()`; `appliance.pdctl.config.toml` writes the file.
+`appliance.pdctl.host.check.host_problems()`; `appliance.pdctl.config.toml` writes the file.
 Each problem is one line: `<field>: <what is wrong>`. The sections are in
 `appliance.pdctl.config.hostsections` (host, model, devices) and
 `appliance.pdctl.config.sections` (the rest); this module puts them together and is their

@@ -15,8 +15,8 @@ from appliance.pdctl.clibase import config_option, config_path_of, env_of
 from appliance.pdctl.config import parse_config
 from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.errors import USAGE, ConfigError, PdctlError
-from appliance.pdctl.host import split_cpus
-from appliance.pdctl.hostcheck import host_problems
+from appliance.pdctl.host.check import host_problems
+from appliance.pdctl.host.probe import split_cpus
 
 
 def _ints(value: str | None, what: str = "GPU") -> list[int] | None:

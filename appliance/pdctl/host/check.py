@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from appliance.pdctl.config import HostConfig
-from appliance.pdctl.host import HostProbe
+from appliance.pdctl.host.probe import HostProbe
 
 
 def host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:

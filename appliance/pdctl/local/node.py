@@ -24,8 +24,8 @@ from rich.table import Table
 from appliance import kvbudget
 from appliance.pdctl.config import TransferSection
 from appliance.pdctl.errors import USAGE, PdctlError
-from appliance.pdctl.host import split_cpus
-from appliance.pdctl.localstate import (
+from appliance.pdctl.host.probe import split_cpus
+from appliance.pdctl.local.state import (
     RUN_ID_ENV,
     STATE_FILE,
     LocalState,

@@ -12,7 +12,7 @@ from typing import Literal
 
 from appliance.pdctl.compose.binary import MIN_COMPOSE, version_tuple
 from appliance.pdctl.config import HostConfig, PortsSection
-from appliance.pdctl.host import HostProbe, Memlock
+from appliance.pdctl.host.probe import HostProbe, Memlock
 
 Status = Literal["pass", "fail", "skip", "warn"]
 
