@@ -150,7 +150,7 @@ class RequestTrace:
 
     def __init__(self, export: ExportProcess, rec: Record) -> None:
         self._add = export.add
-        trace = f"{_bits(128) or 1:032x}"
+        trace = f"{_bits(128) | 1:032x}"  # its low bits the stem: never all zeros
         self._parent = f"00-{trace}-{trace[17:]}"  # a call's digit, then "-01", follows
         # Each call: role, node, transfer id, start and end (monotonic ns; 0 while it runs).
         self._calls: list[list[Any]] = []
