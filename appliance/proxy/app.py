@@ -230,7 +230,7 @@ class Proxy:
         else:  # absent, or not safe to send upstream verbatim
             rec = Record(route, uuid4_str(), time.monotonic(), own_request_id=True)
         if self.tracing is not None:
-            rec.trace = self.tracing.begin(rec)
+            rec.trace = self.tracing.begin()
         self.in_flight += 1
         try:
             resp = await self._generate(request, rec)

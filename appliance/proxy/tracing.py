@@ -46,10 +46,10 @@ class Tracing:
     async def close(self) -> None:
         await self.export.close()  # what is queued is sent
 
-    def begin(self, rec: Record) -> RequestTrace | Unsampled:
+    def begin(self) -> RequestTrace | Unsampled:
         if self.sample_ratio < 1.0 and random.random() >= self.sample_ratio:
             return Unsampled()
-        return RequestTrace(self.export, rec)
+        return RequestTrace(self.export)
 
 
 class SpanWriter:
@@ -148,7 +148,7 @@ class RequestTrace:
 
     __slots__ = ("_add", "_parent", "_calls")
 
-    def __init__(self, export: ExportProcess, rec: Record) -> None:
+    def __init__(self, export: ExportProcess) -> None:
         self._add = export.add
         trace = f"{_bits(128) | 1:032x}"  # its low bits the stem: never all zeros
         self._parent = f"00-{trace}-{trace[17:]}"  # a call's digit, then "-01", follows

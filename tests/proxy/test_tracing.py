@@ -227,7 +227,7 @@ async def test_span_ids_are_unique_in_a_trace_and_a_call_past_the_cap_joins_the_
     records: list[tuple] = []
     export = SimpleNamespace(add=lambda record, n: records.append((record, n)))
     rec = Record("/v1/completions", "req-1", time.monotonic())
-    trace = RequestTrace(export, rec)  # type: ignore[arg-type]
+    trace = RequestTrace(export)  # type: ignore[arg-type]
     parents = []
     for i in range(MAX_CALLS + 3):
         headers: dict[str, str] = {}
