@@ -8,7 +8,7 @@ and p99, and where `auto` placed the requests.
 
 Workloads (vLLM's datasets, the model's own tokenizer):
 - tiny: the tiny model, short prompts (64-192 tokens) and outputs, a closed loop of 8
-  clients;
+  clients, 256 prompts a round (64 took about 2 s, and a round's rate moved by a sixth);
 - mixed: the larger-KV model (48 KiB of KV per token), prompts of 100 to 1,900 tokens at
   a steady arrival rate, so long prefills land among running decodes. There a plain
   server's decode steps wait behind each prefill (its ITL p99 spikes) while the
@@ -73,7 +73,7 @@ class Workload:
 WORKLOADS = {
     "tiny": Workload("tiny", "tiny", (
         "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "32",
-        "--random-range-ratio", "0.5", "--num-prompts", "64", "--max-concurrency", "8")),
+        "--random-range-ratio", "0.5", "--num-prompts", "256", "--max-concurrency", "8")),
     "mixed": Workload("mixed", "kvbench", (
         "--dataset-name", "random", "--random-input-len", "1000", "--random-output-len",
         "48", "--random-range-ratio", "0.9", "--num-prompts", "24", "--request-rate", "1.5",
