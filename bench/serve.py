@@ -169,7 +169,8 @@ def placement_state(url: str) -> str:
     """What auto weighed at the end (its ITL budget and fitted lines), from /status."""
     status = json.loads(urllib.request.urlopen(url + "/status", timeout=10).read())
     split = status.get("split") or {}
-    return json.dumps({k: split.get(k) for k in ("itl_budget_ms", "prefill", "handoff")})
+    return json.dumps({k: split.get(k) for k in ("itl_budget_ms", "prefill", "handoff",
+                                                  "decode_step")})
 
 
 def _sums(url: str, series: str, by_backend: bool = False) -> dict[str, float]:

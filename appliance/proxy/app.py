@@ -283,8 +283,9 @@ class Proxy:
             # Only the blocks D lacks move.
             handoff = ((rec.prompt_tokens or rec.placed.tokens) - rec.placed.cached_d,
                        rec.decode_first_at - rec.prefilled_at)
+        output = rec.usage_output if rec.usage_output is not None else rec.tokens_out
         self.placement.learned(rec.route, rec.prompt_chars, rec.prompt_tokens, handoff,
-                               rec.step_s)
+                               rec.step_s, rec.batch, output if rec.status == 200 else None)
 
     async def _generate(self, request: web.Request, rec: Record) -> web.StreamResponse:
         if self.shutting_down:
@@ -344,6 +345,7 @@ class Proxy:
                 self.prefix.expect(rec.computed_on, rec.prefix)
             serving = p if rec.placed.on_prefill else d
             serving.decodes += 1
+            rec.batch = serving.decodes
             if serving is p:  # P holds the request: drains, leaves and routing see it
                 p.in_flight += 1
                 rec.prefill = p.url
@@ -356,6 +358,8 @@ class Proxy:
             return await self.exchange.split(request, rec, body, p, d)
         finally:
             if serving is not None:
+                if rec.batch is not None:  # the requests its node held, at start and end
+                    rec.batch = (rec.batch + serving.decodes) / 2
                 serving.decodes -= 1
                 if serving is not d:
                     serving.in_flight -= 1

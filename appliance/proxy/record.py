@@ -36,7 +36,7 @@ class Record:
     # Adaptive disaggregation (appliance.proxy.placement): where the prompt is prefilled,
     # the prefill's ticket (its tokens queued on P or D until done), and what the request
     # showed: the prompt's characters and true tokens (P's usage), when P answered and D's
-    # first token came (monotonic), D's time per streamed token.
+    # first token came (monotonic), its node's time per streamed token.
     placed: Decision | None = None
     ticket: Ticket | None = None
     # The prompt's exact tokens and each node's cached share (None: not predicted), and
@@ -48,6 +48,7 @@ class Record:
     prefilled_at: float | None = None
     decode_first_at: float | None = None
     step_s: float | None = None
+    batch: float | None = None  # the requests its serving node held (mean of start and end)
     # What the client felt (the metrics' client histograms): whether it asked for a stream,
     # whether P's token led it, when its serving node was asked and its latest token went
     # out, the output tokens it got, and the answer's usage counts when it had them.
@@ -145,7 +146,8 @@ class Record:
                 f"p_alone:{_ms(e.alone_s, 0)} budget_ms={_ms(e.itl_budget_s, 0)} "
                 f"decodes={e.p_decodes}/{e.decodes_running}"
                 + (f" dup_ms=p:{_ms(e.p_dup_s, 0)},d:{_ms(e.d_dup_s, 0)}"
-                   if e.p_dup_s or e.d_dup_s else ""))
+                   if e.p_dup_s or e.d_dup_s else "")
+                + (f" decode_gain_ms={_ms(e.decode_gain_s, 0)}" if e.decode_gain_s else ""))
 
 
 def _ms(seconds: float | None, digits: int = 1) -> str:

@@ -43,10 +43,8 @@ class Linear:
         self._xy = self._xy * f + x * t
         self.samples += 1
 
-    def coefficients(self) -> tuple[float, float] | None:
-        """(a, b), or None before the first sample."""
-        if not self.samples:
-            return None
+    def _line(self) -> tuple[float, float] | None:
+        """(a, b) where x's spread determines the slope, else None."""
         w, sx, sy = self._w, self._x, self._y
         det = w * self._xx - sx * sx
         # Spread of x relative to its size: below ~5% the slope is noise.
@@ -57,6 +55,22 @@ class Linear:
                 return a, b
             if b >= 0:  # a negative intercept: the line through the origin is closer
                 return 0.0, self._xy / self._xx if self._xx else 0.0
+        return None
+
+    def slope(self) -> float | None:
+        """b, only where the samples' spread measured it (the proportional fallback would
+        charge every unit of x the whole of t)."""
+        line = self._line() if self.samples else None
+        return None if line is None else line[1]
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b), or None before the first sample."""
+        if not self.samples:
+            return None
+        line = self._line()
+        if line is not None:
+            return line
+        w, sx, sy = self._w, self._x, self._y
         mean_x, mean_y = sx / w, sy / w
         if mean_x <= 0:
             return mean_y, 0.0
@@ -94,6 +108,23 @@ class TokensPerChar:
     @property
     def ratio(self) -> float:
         return self._tokens / self._chars if self._chars else self.prior
+
+
+@dataclass
+class Mean:
+    """A mean that forgets slowly (the output tokens of recent requests)."""
+
+    forget: float = FORGET
+    _sum: float = 0.0
+    _w: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self._sum = self._sum * self.forget + value
+        self._w = self._w * self.forget + 1.0
+
+    @property
+    def value(self) -> float | None:
+        return self._sum / self._w if self._w else None
 
 
 @dataclass

@@ -33,7 +33,11 @@ budgets; a P that is asked for long prefills decodes nothing, so they stall no o
   need. Half of that compute is added to its estimate: each engine would otherwise have
   had its half of it for the requests behind. Without it, a burst of prompts on a few new
   prefixes goes to whichever node is free a few ms sooner, each prefix is computed on both,
-  and the burst ends later than on the one server, which computes each prefix once.
+  and the burst ends later than on the one server, which computes each prefix once;
+- decode steps: a step's time grows with the requests in it (a line fitted from the
+  streams' time per token against their node's requests); decoding on P rather than on a
+  D that holds more saves this request's steps and those of D's others, so P alone may
+  start later by what that saves (on a GPU the line is flat: nothing changes).
 
 Every decision is counted by outcome and reason, written on the access line, and the
 last minute's split is in /status.
@@ -43,18 +47,24 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from appliance.proxy.exchange.split import CHAT
 from appliance.proxy.nodes.backends import Backend
-from appliance.proxy.placement.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
+from appliance.proxy.placement.costmodel import (
+    Linear,
+    Mean,
+    StepTimes,
+    TokensPerChar,
+    prompt_size,
+)
+from appliance.proxy.placement.tickets import Recent, Ticket
 from appliance.proxy.prefix import Lookup
 from appliance.proxy.settings import Split
 
 # Without an itl_slo_ms, a local prefill may add up to this many of D's unstalled steps.
 ITL_BUDGET_STEPS = 3.0
-RECENT_S = 60
 # P serves whole requests only while this prompt's prefill and those of P_ALONE_SHARE of
 # the RECENT_PROMPTS latest fit P_ALONE_FIT times the budget: a node whose load is decodes
 # (prompts mostly cached, or short) then decodes on both engines, as the one server it
@@ -108,6 +118,10 @@ class Estimates:
     # node's cache holds: DUPLICATE_SHARE of that compute, added to the estimate it weighs.
     p_dup_s: float = 0.0
     d_dup_s: float = 0.0
+    # Decoding on P rather than on D, which holds more requests: what this request's steps
+    # and those of the others save (2 x its output tokens x a step's time per request x
+    # the difference in requests); 0 unless measured.
+    decode_gain_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +179,7 @@ def decide(split: Split, e: Estimates) -> Decision:
     # shared-prefix workload whose prefixes were split evenly).
     fewer = p_placed < d_placed or (p_placed == d_placed and e.d_dup_s > 0)
     if (e.alone_s is not None and e.p_prefills_fit and fewer
-            and e.alone_s + e.p_dup_s <= max(budget, local)):
+            and e.alone_s + e.p_dup_s <= max(budget, local + e.decode_gain_s)):
         # P takes this one whole, no later than D would start it.
         return Decision("p_alone", "balance", e.tokens)
     d_adds = e.local_s if e.local_stall_s is None else e.local_stall_s
@@ -180,62 +194,6 @@ def decide(split: Split, e: Estimates) -> Decision:
     return Decision("local" if local <= remote else "remote", "sooner", e.tokens)
 
 
-@dataclass(slots=True, eq=False)
-class Ticket:
-    """One prefill sent and not done: its tokens count as work queued on its node until
-    closed (P's answer; D's first token of a local stream; the request's end)."""
-
-    backend: Backend
-    model: Linear
-    tokens: int  # the prompt's tokens this node computes (its cache holds `cached` more)
-    cached: int
-    ahead: int
-    sent: float
-    # The node's prefills not done, oldest first (shared by its tickets).
-    queue: dict[Ticket, None]
-    # The node that decodes the request, when the close marks its prompt computed (P's
-    # answer; a stream's first token): counted in its `prefilling` until then. A whole
-    # local answer's ticket closes only at its end, so it counts as decoding throughout.
-    serving: Backend | None = None
-    open: bool = True
-
-    def close(self, now: float, learn: bool, tokens: int | None = None) -> None:
-        if not self.open:
-            return
-        self.open = False
-        self.queue.pop(self, None)
-        self.backend.prefill_tokens -= self.tokens
-        if self.serving is not None:
-            self.serving.prefilling -= 1
-        if learn:
-            n = self.tokens if tokens is None else max(1, tokens - self.cached)
-            self.model.observe(self.ahead + n, now - self.sent)
-
-
-@dataclass
-class _Recent:
-    """Decisions of the last minute, in one-second buckets."""
-
-    buckets: deque[tuple[int, dict[str, int]]] = field(default_factory=deque)
-
-    def add(self, where: str, now: float) -> None:
-        second = int(now)
-        if not self.buckets or self.buckets[-1][0] != second:
-            self.buckets.append((second, {}))
-            while self.buckets and self.buckets[0][0] <= second - RECENT_S:
-                self.buckets.popleft()
-        counts = self.buckets[-1][1]
-        counts[where] = counts.get(where, 0) + 1
-
-    def totals(self, now: float) -> dict[str, int]:
-        out = {"remote": 0, "local": 0, "p_alone": 0}
-        for second, counts in self.buckets:
-            if second > int(now) - RECENT_S:
-                for k, v in counts.items():
-                    out[k] = out.get(k, 0) + v
-        return out
-
-
 class Placement:
     """The measurements and the decision; the proxy asks `choose` once per request."""
 
@@ -247,9 +205,11 @@ class Placement:
         self.prefill = Linear()  # P's and D's prefills, pooled (see the module's doc)
         self.handoff = Linear()  # P's answer -> D's first token, in the prompt's tokens
         self.steps = StepTimes()
+        self.step_line = Linear()  # seconds per streamed token against the node's requests
+        self.output = Mean()  # recent requests' output tokens
         self.tokens_per_char = {route: TokensPerChar() for route in ("chat", "completions")}
         self.counts: dict[tuple[str, str], int] = {}
-        self._recent = _Recent()
+        self._recent = Recent()
         self._queues: dict[str, dict[Ticket, None]] = {}  # per node URL, oldest first
         # The tokens P computed for each of the latest prompts (0 for those D computed):
         # whether P is asked for long prefills, which would stall its whole requests (a
@@ -279,8 +239,9 @@ class Placement:
         return now - next(iter(queue)).sent if queue else 0.0
 
     def estimates(self, tokens: int, p: Backend, d: Backend, now: float,
-                  cached_p: int = 0, cached_d: int = 0) -> Estimates:
-        """`tokens`: the prompt's; `cached_*`: those each node's prefix cache holds."""
+                  cached_p: int = 0, cached_d: int = 0, max_out: int | None = None) -> Estimates:
+        """`tokens`: the prompt's; `cached_*`: those each node's prefix cache holds;
+        `max_out`: the request's output token limit."""
         on_p, on_d = tokens - cached_p, tokens - cached_d
         p_line = self.prefill.predict(p.prefill_tokens + on_p)
         alone = remote = None  # P's first token; that plus the handoff
@@ -300,7 +261,17 @@ class Placement:
         return Estimates(tokens, remote, local, running, budget, alone, p.decoding, fit,
                          self._compute(on_d), self._compute(on_p), self.prefill_deadline_s,
                          p.decodes, d.decodes, self._duplicate(cached_d - cached_p),
-                         self._duplicate(cached_p - cached_d))
+                         self._duplicate(cached_p - cached_d),
+                         self._decode_gain(d.decodes - p.decodes, max_out))
+
+    def _decode_gain(self, more_on_d: int, max_out: int | None) -> float:
+        """Estimates.decode_gain_s: the output a request is expected to have (its limit,
+        or the recent requests' mean if less) x a step's time per request it holds."""
+        slope, mean = self.step_line.slope(), self.output.value
+        if more_on_d <= 0 or not slope:
+            return 0.0
+        out = min([x for x in (max_out, mean) if x is not None], default=0.0)
+        return 2.0 * out * slope * more_on_d
 
     def _arriving(self, d: Backend, by: float) -> int:
         """Requests waiting for a P's prefill (any P's) that D then decodes, P's answer due
@@ -346,7 +317,9 @@ class Placement:
         cached_d = 0 if prefix is None else prefix.on(d.url)
         now = time.monotonic()
         auto = self.split == "auto"
-        e = (self.estimates(tokens, p, d, now, cached_p, cached_d) if auto
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        e = (self.estimates(tokens, p, d, now, cached_p, cached_d,
+                            limit if isinstance(limit, int) else None) if auto
              else Estimates(tokens, None, None, 0, None))
         decision = replace(decide(self.split, e), cached_p=cached_p, cached_d=cached_d,
                            estimates=e if auto else None)
@@ -368,9 +341,11 @@ class Placement:
         return decision, ticket, chars
 
     def learned(self, route: str, chars: int, prompt_tokens: int | None,
-                handoff: tuple[int, float] | None, step_s: float | None) -> None:
+                handoff: tuple[int, float] | None, step_s: float | None,
+                batch: float | None = None, output_tokens: int | None = None) -> None:
         """What one finished request showed: its prompt's true size, the handoff of a
-        remote stream (tokens, seconds), D's time per streamed token."""
+        remote stream (tokens, seconds), its node's time per streamed token and requests
+        held meanwhile (their mean), its output tokens."""
         if prompt_tokens and chars:
             self.tokens_per_char["chat" if route == CHAT else "completions"].observe(
                 chars, prompt_tokens)
@@ -378,6 +353,10 @@ class Placement:
             self.handoff.observe(*handoff)
         if step_s is not None:
             self.steps.observe(step_s)
+            if batch:
+                self.step_line.observe(batch, step_s)
+        if output_tokens:
+            self.output.observe(output_tokens)
 
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -387,4 +366,6 @@ class Placement:
             "itl_budget_ms": None if (b := self.itl_budget_s()) is None else round(b * 1000, 3),
             "prefill": self.prefill.describe(),
             "handoff": self.handoff.describe(),
+            # Per streamed token, against the requests its node held (per 1k: per 1,000).
+            "decode_step": self.step_line.describe(),
         }
