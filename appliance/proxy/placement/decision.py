@@ -180,7 +180,8 @@ def decide(split: Split, e: Estimates) -> Decision:
     fewer = p_placed < d_placed or (p_placed == d_placed and e.d_dup_s > 0)
     if (e.alone_s is not None and e.p_prefills_fit and fewer
             and e.alone_s + e.p_dup_s <= max(budget, local + e.decode_gain_s)):
-        # P takes this one whole, no later than D would start it.
+        # P takes this one whole, no later than D would start it (or later by what its
+        # decode steps beside fewer requests save).
         return Decision("p_alone", "balance", e.tokens)
     d_adds = e.local_s if e.local_stall_s is None else e.local_stall_s
     if e.decodes_running and d_adds > budget:
