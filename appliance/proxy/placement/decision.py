@@ -118,10 +118,20 @@ class Estimates:
     # node's cache holds: DUPLICATE_SHARE of that compute, added to the estimate it weighs.
     p_dup_s: float = 0.0
     d_dup_s: float = 0.0
-    # Decoding on P rather than on D, which holds more requests: what this request's steps
-    # and those of the others save (2 x its output tokens x a step's time per request x
-    # the difference in requests); 0 unless measured.
-    decode_gain_s: float = 0.0
+    # What each request placed on D beyond P's costs in decode steps, this one's and the
+    # others' (2 x its output tokens x a step's time per request); 0 unless measured.
+    decode_per_request_s: float = 0.0
+
+    def placed(self) -> tuple[int, int]:
+        """The requests placed on P and on D (the decoding counts when not given)."""
+        return (self.p_decodes if self.p_placed is None else self.p_placed,
+                self.decodes_running if self.d_placed is None else self.d_placed)
+
+    @property
+    def decode_gain_s(self) -> float:
+        """What decoding on P rather than on D, which holds more requests, saves."""
+        p, d = self.placed()
+        return self.decode_per_request_s * max(0, d - p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +179,7 @@ def decide(split: Split, e: Estimates) -> Decision:
         # anyway, after that wait, and P's work (if it started) thrown away.
         return Decision("local", "backlog", e.tokens)
     budget = e.itl_budget_s or 0.0
-    p_placed = e.p_decodes if e.p_placed is None else e.p_placed
-    d_placed = e.decodes_running if e.d_placed is None else e.d_placed
+    p_placed, d_placed = e.placed()
     # What each placement costs: its first token, and its share of work done twice.
     local, remote = e.local_s + e.d_dup_s, e.remote_s + e.p_dup_s
     # D's decodes outnumber P's, or they are even and P's cache holds more of the prompt:
@@ -263,16 +272,16 @@ class Placement:
                          self._compute(on_d), self._compute(on_p), self.prefill_deadline_s,
                          p.decodes, d.decodes, self._duplicate(cached_d - cached_p),
                          self._duplicate(cached_p - cached_d),
-                         self._decode_gain(d.decodes - p.decodes, max_out))
+                         self._decode_per_request(max_out))
 
-    def _decode_gain(self, more_on_d: int, max_out: int | None) -> float:
-        """Estimates.decode_gain_s: the output a request is expected to have (its limit,
-        or the recent requests' mean if less) x a step's time per request it holds."""
-        slope, mean = self.step_line.slope(), self.output.value
-        if more_on_d <= 0 or not slope:
+    def _decode_per_request(self, max_out: int | None) -> float:
+        """Estimates.decode_per_request_s: the output a request is expected to have (its
+        limit, or the recent requests' mean if less) x a step's time per request it holds."""
+        slope = self.step_line.slope()
+        if not slope:
             return 0.0
-        out = min([x for x in (max_out, mean) if x is not None], default=0.0)
-        return 2.0 * out * slope * more_on_d
+        out = min([x for x in (max_out, self.output.value) if x is not None], default=0.0)
+        return 2.0 * out * slope
 
     def _arriving(self, d: Backend, by: float) -> int:
         """Requests waiting for a P's prefill (any P's) that D then decodes, P's answer due
