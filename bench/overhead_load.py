@@ -96,6 +96,7 @@ class Result:
     seconds: float
     total: int = 0  # requests, warm-up included
     cpu_per_req: float | None = None  # seconds of the measured server's CPU per request
+    busy: float | None = None  # how busy the watched cores were (the ones not the proxy's)
 
     @property
     def rps(self) -> float:
@@ -143,32 +144,54 @@ async def load(port: int, concurrency: int, seconds: float, stream: bool,
     return Result(latencies, elapsed, total)
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_times(cpus: set[int]) -> tuple[int, int]:
+    """(all, idle) clock ticks of these cores so far (/proc/stat; idle counts iowait)."""
+    total = idle = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                ticks = [int(v) for v in fields]
+                total += sum(ticks)
+                idle += ticks[3] + ticks[4]
+    return total, idle
+
+
 def measure(port: int, pid: int, concurrency: int, seconds: float, stream: bool,
-            warmup: float) -> Result:
-    before = _cpu_seconds(pid)
+            warmup: float, watch: set[int] | None = None) -> Result:
+    before = cpu_seconds(pid)
+    cores = _cpu_times(watch) if watch else None
     result = asyncio.run(load(port, concurrency, seconds, stream, warmup))
-    result.cpu_per_req = (_cpu_seconds(pid) - before) / max(1, result.total)
+    result.cpu_per_req = (cpu_seconds(pid) - before) / max(1, result.total)
+    if watch and cores is not None:
+        total, idle = _cpu_times(watch)
+        result.busy = 1 - (idle - cores[1]) / max(1, total - cores[0])
     return result
 
 
 def compare(d: tuple[int, int], x: tuple[int, int], concurrency: int, seconds: float,
-            stream: bool, rounds: int) -> tuple[Result, Result]:
+            stream: bool, rounds: int, watch: set[int] | None = None) -> tuple[Result, Result]:
     """Direct and proxied in alternating slices, so that other work on a shared machine
-    weighs on both sides alike; the slices are pooled."""
+    weighs on both sides alike; the slices are pooled. `watch`: cores whose load is kept
+    (Result.busy), the ones the servers measured do not run on."""
     pooled = [Result([], 0.0, 0, 0.0), Result([], 0.0, 0, 0.0)]
     for i in range(rounds):
         for (port, pid), acc in zip((d, x), pooled, strict=True):
             r = measure(port, pid, concurrency, seconds / rounds, stream,
-                        warmup=0.3 if i == 0 else 0.05)
+                        warmup=0.3 if i == 0 else 0.05, watch=watch)
             acc.latencies += r.latencies
             acc.seconds += r.seconds
             acc.total += r.total
             acc.cpu_per_req = (acc.cpu_per_req or 0) + (r.cpu_per_req or 0) * r.total
+            if r.busy is not None:
+                acc.busy = (acc.busy or 0) + r.busy * r.seconds
     for acc in pooled:
         acc.cpu_per_req = (acc.cpu_per_req or 0) / max(1, acc.total)
+        if acc.busy is not None:
+            acc.busy /= max(1e-9, acc.seconds)
     return pooled[0], pooled[1]

@@ -1,7 +1,8 @@
 """The servers bench/proxy_overhead.py measures the proxy against, each run in a process of
-its own (`python bench/overhead_servers.py --fake PORT BOOTSTRAP_PORT | --otlp-receiver PORT`):
-a fake P (with its bootstrap) or D that answers at once (D streams CHUNKS SSE events when
-asked to), and an OTLP/HTTP or OTLP/gRPC (`--grpc`) receiver."""
+its own (`python bench/overhead_servers.py --fake PORT BOOTSTRAP_PORT [--lean] |
+--otlp-receiver PORT`): a fake P (with its bootstrap) or D that answers at once (D streams
+CHUNKS SSE events when asked to), server-like (aiohttp) or lean (llhttp, canned bytes), and
+an OTLP/HTTP or OTLP/gRPC (`--grpc`) receiver."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 CHUNKS = 16
 
 
-def run_fake(port: int, bootstrap_port: int | None) -> None:
-    from aiohttp import web
-
+def _answers() -> tuple[list[bytes], bytes, bytes, bytes]:
+    """The fakes' answers: a stream's SSE events, one token (P's answer; with token ids in
+    the proxy's first-token mode), and CHUNKS tokens."""
     def event(i: int, finish: str | None) -> bytes:
         return b"data: " + json.dumps({
             "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
@@ -27,13 +28,30 @@ def run_fake(port: int, bootstrap_port: int | None) -> None:
 
     def full(n: int, token_ids: bool = False) -> bytes:
         choice = {"index": 0, "text": " tok" * n, "finish_reason": "length"}
-        if token_ids:  # what P answers in the proxy's first-token mode
+        if token_ids:
             choice.update(token_ids=[7] * n, prompt_token_ids=list(range(90)))
         return json.dumps({
             "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
             "choices": [choice], "usage": {"prompt_tokens": 90, "completion_tokens": n}}).encode()
 
-    one, one_ids, many = full(1), full(1, token_ids=True), full(CHUNKS)
+    return stream_body, full(1), full(1, token_ids=True), full(CHUNKS)
+
+
+_QUERY = json.dumps({"0": {"engine_id": "engine-bench",
+                           "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}}).encode()
+
+
+def _pick(body: dict, one: bytes, one_ids: bytes, many: bytes) -> bytes:
+    if body.get("max_tokens") == 1:
+        return one_ids if body.get("return_token_ids") else one
+    return many
+
+
+def run_fake(port: int, bootstrap_port: int | None) -> None:
+    """A server-like fake: aiohttp, as a small Python HTTP service costs per request."""
+    from aiohttp import web
+
+    stream_body, one, one_ids, many = _answers()
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -44,17 +62,14 @@ def run_fake(port: int, bootstrap_port: int | None) -> None:
                 await resp.write(chunk)
             await resp.write_eof()
             return resp
-        if body.get("max_tokens") == 1:
-            return web.Response(body=one_ids if body.get("return_token_ids") else one,
-                                content_type="application/json")
-        return web.Response(body=many, content_type="application/json")
+        return web.Response(body=_pick(body, one, one_ids, many),
+                            content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
     async def query(request: web.Request) -> web.Response:
-        return web.json_response({"0": {"engine_id": "engine-bench",
-                                        "worker_addr": {"0": {"0": "tcp://127.0.0.1:1"}}}})
+        return web.Response(body=_QUERY, content_type="application/json")
 
     async def main() -> None:
         app = web.Application()
@@ -69,6 +84,82 @@ def run_fake(port: int, bootstrap_port: int | None) -> None:
             brunner = web.AppRunner(bapp, access_log=None)
             await brunner.setup()
             await web.TCPSite(brunner, "127.0.0.1", bootstrap_port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def run_lean_fake(port: int, bootstrap_port: int | None) -> None:
+    """The same answers at a fraction of the cost: llhttp (httptools) on an asyncio.Protocol,
+    canned bytes. Two proxies compared side by side meet these, so that the proxy's own core
+    is what limits the rate: with the server-like fakes, the fakes and the load generator
+    kept the other core 90-98% busy at concurrency 64, and whatever a proxy made run there
+    (a span exporter, its receiver) slowed both the fakes and the proxy's batching."""
+    import httptools
+    import msgspec
+
+    stream_body, one, one_ids, many = _answers()
+    decode = msgspec.json.decode
+
+    def reply(status: bytes, ctype: bytes, body: bytes) -> bytes:
+        return (b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype
+                + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    canned = {key: reply(b"200 OK", b"application/json", body)
+              for key, body in ((one, one), (one_ids, one_ids), (many, many))}
+    health = reply(b"200 OK", b"text/plain", b"ok")
+    query = reply(b"200 OK", b"application/json", _QUERY)
+    missing = reply(b"404 Not Found", b"text/plain", b"not found")
+    stream_head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n")
+    # One write per event, as vLLM does; each its own chunk.
+    stream_chunks = [b"%x\r\n%s\r\n" % (len(c), c) for c in stream_body] + [b"0\r\n\r\n"]
+
+    class Conn(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+            self.parser = httptools.HttpRequestParser(self)
+            self.url = b""
+            self.body: list[bytes] = []
+
+        def data_received(self, data: bytes) -> None:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.transport.close()
+
+        def on_url(self, url: bytes) -> None:
+            self.url += url
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            url, body = self.url, b"".join(self.body)
+            self.url, self.body = b"", []
+            write = self.transport.write
+            if self.parser.get_method() == b"POST" and url == b"/v1/completions":
+                req = decode(body)
+                if req.get("stream"):
+                    write(stream_head)
+                    for chunk in stream_chunks:
+                        write(chunk)
+                else:
+                    write(canned[_pick(req, one, one_ids, many)])
+            elif url == b"/health":
+                write(health)
+            elif url == b"/query":
+                write(query)
+            else:
+                write(missing)
+            if not self.parser.should_keep_alive():
+                self.transport.close()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for p in (port, bootstrap_port):
+            if p:
+                await loop.create_server(Conn, "127.0.0.1", p)
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -114,8 +205,10 @@ if __name__ == "__main__":
     ap.add_argument("--fake", nargs=2, type=int, metavar=("PORT", "BOOTSTRAP_PORT"))
     ap.add_argument("--otlp-receiver", type=int, metavar="PORT")
     ap.add_argument("--grpc", action="store_true", help="the receiver speaks OTLP/gRPC")
+    ap.add_argument("--lean", action="store_true",
+                    help="the fake on llhttp and canned bytes, at a fraction of aiohttp's cost")
     args = ap.parse_args()
     if args.fake:
-        run_fake(args.fake[0], args.fake[1] or None)
+        (run_lean_fake if args.lean else run_fake)(args.fake[0], args.fake[1] or None)
     elif args.otlp_receiver:
         (run_otlp_grpc_receiver if args.grpc else run_otlp_receiver)(args.otlp_receiver)

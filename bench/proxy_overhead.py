@@ -5,8 +5,10 @@
 
 Fake P (with its bootstrap) and fake D are aiohttp servers on loopback that answer at once
 (D streams 16 SSE events when asked to; a stream goes P first, then D, the proxy's
-first-token mode), each in its own process; the proxy runs in its own
-process, pinned to a core of its own when there are two or more (--no-pin: not); the load
+first-token mode), each in its own process; proxies measured side by side (--tracing,
+--auth, --compare-ref) meet lean fakes (llhttp, canned bytes) so that the proxy's core is
+their limit, not the fakes' (every row shows how busy the other cores were). The proxy runs
+in its own process, pinned to a core of its own when there are two or more (--no-pin: not); the load
 generator is a small keep-alive HTTP/1.1 client on raw asyncio sockets, so that it stays
 cheap. Direct and proxied load alternate in short slices, so that other work on a shared
 machine weighs on both alike. Prints added latency (p50, p99), the proxy's requests per
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import gitref  # bench/gitref.py, beside this script
-from overhead_load import CLIENT_KEY, KEYED_PORTS, Result, compare
+from overhead_load import CLIENT_KEY, KEYED_PORTS, Result, compare, cpu_seconds
 from overhead_servers import CHUNKS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +104,13 @@ def _trace_spans(port: int) -> str:
     return ", ".join(c.replace('outcome="', "").replace('"} ', " ") for c in counts)
 
 
+def _busy(*results: Result) -> str:
+    """How busy the cores other than the proxy's were in each side's slices."""
+    if any(r.busy is None for r in results):
+        return "-"
+    return " / ".join(f"{r.busy:.0%}" for r in results)
+
+
 def _proxy_args(port: int, p_port: int, b_port: int, d_port: int, *extra: str) -> list[str]:
     return ["-m", "appliance.proxy", "--host", "127.0.0.1", "--port", str(port),
             "--prefill", f"http://127.0.0.1:{p_port},http://127.0.0.1:{b_port}",
@@ -149,10 +158,23 @@ def main() -> None:
         _spawn([SERVERS, "--fake", str(d_port), "0"], other_cpus, logs / "d.log"),
         _spawn(_proxy_args(x_port, p_port, b_port, d_port), proxy_cpus, logs / "proxy.log"),
     ]
+    # Proxies side by side meet lean fakes (overhead_servers.run_lean_fake), and so does a
+    # proxy of this commit's, untraced and open, that each is held against: then the
+    # proxy's core is the limit, not the other cores (Result.busy shows how busy they were).
+    lp_port, lb_port, ld_port, lx_port = (_free_port() for _ in range(4))
+    lean: subprocess.Popen[bytes] | None = None
+    if args.auth or args.tracing or args.compare_ref:
+        procs += [_spawn([SERVERS, "--fake", str(lp_port), str(lb_port), "--lean"],
+                         other_cpus, logs / "lean-p.log"),
+                  _spawn([SERVERS, "--fake", str(ld_port), "0", "--lean"], other_cpus,
+                         logs / "lean-d.log")]
+        lean = _spawn(_proxy_args(lx_port, lp_port, lb_port, ld_port), proxy_cpus,
+                      logs / "lean-proxy.log")
+        procs.append(lean)
     arms: list[Arm] = []
     if args.auth:
         KEYED_PORTS.add(k_port)
-        proc = _spawn(_proxy_args(k_port, p_port, b_port, d_port, "--api-key", CLIENT_KEY,
+        proc = _spawn(_proxy_args(k_port, lp_port, lb_port, ld_port, "--api-key", CLIENT_KEY,
                                   "--backend-api-key", "bench-node-key"),
                       proxy_cpus, logs / "keyed.log")
         procs.append(proc)
@@ -167,7 +189,7 @@ def main() -> None:
                             other_cpus, logs / "otlp.log"))
         endpoint = f"http://127.0.0.1:{rx_port}{'' if grpc else '/v1/traces'}"
         t_port = traced_port = _free_port()
-        proc = _spawn(_proxy_args(t_port, p_port, b_port, d_port, "--otlp-traces-endpoint",
+        proc = _spawn(_proxy_args(t_port, lp_port, lb_port, ld_port, "--otlp-traces-endpoint",
                                   endpoint, "--otlp-traces-protocol", args.tracing_protocol,
                                   "--otlp-traces-sample-ratio", str(args.tracing_sample)),
                       proxy_cpus, logs / "traced.log")
@@ -181,7 +203,7 @@ def main() -> None:
     worktree: Path | None = None
     if args.compare_ref:
         worktree = gitref.checkout(args.compare_ref, logs / "ref")
-        proc = _spawn(_proxy_args(r_port, p_port, b_port, d_port), proxy_cpus,
+        proc = _spawn(_proxy_args(r_port, lp_port, lb_port, ld_port), proxy_cpus,
                       logs / "ref.log", cwd=worktree)
         procs.append(proc)
         arms.append(Arm(args.compare_ref, r_port, proc, f"this proxy against itself as of "
@@ -192,6 +214,10 @@ def main() -> None:
         _wait_http(p_port, "/health")
         _wait_http(d_port, "/health")
         _wait_http(x_port, "/health")
+        if lean is not None:
+            _wait_http(lp_port, "/health")
+            _wait_http(ld_port, "/health")
+            _wait_http(lx_port, "/health")
         for arm in arms:
             _wait_http(arm.port, "/health")
         if other_cpus and traced is not None:
@@ -205,14 +231,19 @@ def main() -> None:
         for stream in (False, True):
             for c in args.concurrency:
                 direct, proxied = compare((d_port, procs[1].pid), (x_port, procs[2].pid),
-                                          c, args.seconds, stream, args.rounds)
+                                          c, args.seconds, stream, args.rounds, other_cpus)
                 rows.append((stream, c, direct, proxied))
                 for arm in arms:
+                    assert lean is not None
                     against.append((arm, stream, c, *compare(
-                        (x_port, procs[2].pid), (arm.port, arm.proc.pid), c, args.seconds,
-                        stream, args.rounds)))
+                        (lx_port, lean.pid), (arm.port, arm.proc.pid), c, args.seconds,
+                        stream, args.rounds, other_cpus)))
         wall = time.monotonic() - started
         spans = "" if traced_port is None else _trace_spans(traced_port)
+        # The exporter's CPU (on the other cores), per request the traced proxy served.
+        exporter_cpu = 0.0 if traced is None else sum(
+            cpu_seconds(pid) for pid in _children(traced.pid))
+        traced_requests = sum(it.total for arm, _, _, _, it in against if arm.proc is traced)
     except BaseException:
         console.print(f"[red]bench failed; process logs in {logs}[/]")
         raise
@@ -230,7 +261,7 @@ def main() -> None:
                         f"{args.seconds:g} s per cell in {args.rounds} alternating slices)")
     for col in ("mode", "conc", "direct p50 ms", "proxy p50 ms", "added p50 ms",
                 "added p99 ms", "direct req/s", "proxy req/s", "ratio", "target",
-                "direct: D CPU µs/req", "proxy CPU µs/req"):
+                "direct: D CPU µs/req", "proxy CPU µs/req", "other cores busy"):
         table.add_column(col, justify="right")
     verdicts = []
     for stream, c, direct, proxied in rows:
@@ -249,14 +280,15 @@ def main() -> None:
             f"{direct.pct(0.5) * 1000:.2f}", f"{proxied.pct(0.5) * 1000:.2f}",
             f"{added50:.2f}", f"{added99:.2f}", f"{direct.rps:,.0f}", f"{proxied.rps:,.0f}",
             f"{ratio:.0%}", f"[green]{target} ok[/]" if ok else f"[red]{target} MISSED[/]",
-            f"{(direct.cpu_per_req or 0) * 1e6:.0f}", f"{(proxied.cpu_per_req or 0) * 1e6:.0f}")
+            f"{(direct.cpu_per_req or 0) * 1e6:.0f}", f"{(proxied.cpu_per_req or 0) * 1e6:.0f}",
+            _busy(direct, proxied))
     console.print(table)
     for arm in arms:
         ratio_name = f"now/{arm.label}" if arm.now_over_it else f"{arm.label}/now"
         t = Table(title=f"{arm.title}, alternating slices")
         for col in ("mode", "conc", "now p50 ms", f"{arm.label} p50 ms", "now req/s",
                     f"{arm.label} req/s", ratio_name, "target", "now CPU µs/req",
-                    f"{arm.label} CPU µs/req"):
+                    f"{arm.label} CPU µs/req", "other cores busy"):
             t.add_column(col, justify="right")
         for a_, stream, c, now, it in against:
             if a_ is not arm:
@@ -272,10 +304,13 @@ def main() -> None:
                       f"{now.pct(0.5) * 1000:.2f}", f"{it.pct(0.5) * 1000:.2f}",
                       f"{now.rps:,.0f}", f"{it.rps:,.0f}", f"{ratio:.0%}",
                       f"[green]{target} ok[/]" if ok else f"[red]{target} MISSED[/]",
-                      f"{(now.cpu_per_req or 0) * 1e6:.0f}", f"{(it.cpu_per_req or 0) * 1e6:.0f}")
+                      f"{(now.cpu_per_req or 0) * 1e6:.0f}", f"{(it.cpu_per_req or 0) * 1e6:.0f}",
+                      _busy(now, it))
         console.print(t)
     if spans:
-        console.print(f"the traced proxy's spans: {spans}")
+        console.print(f"the traced proxy's spans: {spans}; its span exporter took "
+                      f"{exporter_cpu / max(1, traced_requests) * 1e6:.0f} µs of CPU (on the "
+                      f"other cores) per request traced")
     if worktree is not None:
         gitref.remove(worktree)
     console.print(f"load phase {wall:.0f} s; CPU per request is the server process's own "

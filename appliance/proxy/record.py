@@ -109,8 +109,6 @@ class Record:
         """P answered (its KV is ready for D): its prefill leaves P's queue."""
         self.prefilled_at = now
         self.prompt_tokens = prompt_tokens
-        if self.trace is not None:
-            self.trace.end("prefill")
         if self.ticket is not None:
             self.ticket.close(now, learn=ok, tokens=prompt_tokens)
 

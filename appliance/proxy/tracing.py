@@ -124,23 +124,25 @@ class Unsampled:
     sampled flag is off, so vLLM and the connector record nothing for it either (vLLM
     would start a trace of its own for a request that came without one)."""
 
+    __slots__ = ("_trace",)
+
     def __init__(self) -> None:
-        self._trace = f"00-{random.getrandbits(128):032x}-"
+        self._trace = f"00-{_bits(128) | 1:032x}-"
 
     def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
-        headers["traceparent"] = f"{self._trace}{random.getrandbits(64) or 1:016x}-00"
-
-    def end(self, role: str) -> None:
-        pass
+        headers["traceparent"] = f"{self._trace}{_bits(64) | 1:016x}-00"
 
     def finish(self, rec: Record) -> None:
         pass
 
 
 class RequestTrace:
-    """A sampled request's ids and clock readings, as its calls begin and end: the least
-    work that makes its spans, on the proxy's hot path (a few objects per request: each
-    costs the proxy's one core more under load than its bytecode suggests).
+    """A sampled request's ids and clock readings, as its calls begin: the least work that
+    makes its spans, on the proxy's hot path. Each method call and object here costs the
+    proxy's one core several times what a loop timing it alone shows (its caches are cold
+    with everything else a request touches), so a request makes one of these, one call per
+    upstream call and one at its end; P's call ends when P answered (Record.prefilled_at),
+    any call when the next to its node begins or the request ends.
 
     One random number names it all: the trace id, and a 60-bit stem of the span ids whose
     last hex digit is 0 for the request's own span and the call's index + 1 for a call's
@@ -159,24 +161,29 @@ class RequestTrace:
         """A call to a `role` node begins (ending this request's earlier one there): its
         span's context goes in the call's `headers`."""
         calls = self._calls
-        if calls:
-            self.end(role)
-            if len(calls) >= MAX_CALLS:  # retried past reason: vLLM's span joins the request's
+        now = _monotonic_ns()
+        n = len(calls)
+        if n:
+            for earlier in calls:
+                if earlier[0] == role and not earlier[4]:
+                    earlier[4] = now
+            if n >= MAX_CALLS:  # retried past reason: vLLM's span joins the request's
                 headers["traceparent"] = f"{self._parent}0-01"
                 return
-        headers["traceparent"] = f"{self._parent}{_DIGITS[len(calls) + 1]}-01"
-        calls.append([role, url, rec.transfer_id, _monotonic_ns(), 0])
-
-    def end(self, role: str) -> None:
-        for call in self._calls:
-            if call[0] == role and not call[4]:
-                call[4] = _monotonic_ns()
+        headers["traceparent"] = f"{self._parent}{_DIGITS[n + 1]}-01"
+        calls.append([role, url, rec.transfer_id, now, 0])
 
     def finish(self, rec: Record) -> None:
         now = _monotonic_ns()
+        calls = self._calls
+        answered = rec.prefilled_at
+        if answered is not None:
+            answered_ns = round(answered * 1e9)
+            for call in calls:
+                if call[0] == "prefill" and not call[4] and call[3] <= answered_ns:
+                    call[4] = answered_ns
         placed = rec.placed
         error = (rec.error or str(rec.status)) if rec.status >= 500 or rec.error else None
-        calls = self._calls
         self._add((  # as SpanWriter.encode unpacks it
             self._parent, _time_ns() - now, rec.started, now, rec.request_id, rec.route,
             rec.status, rec.path, rec.transfer_id, rec.usage_output or rec.tokens_out,

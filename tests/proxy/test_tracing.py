@@ -51,6 +51,8 @@ async def test_a_split_request_is_one_trace_with_a_span_per_call(make_cluster: M
     assert prefill.attributes["pd.node"] == c.prefill[0].url
     assert root.start_ns <= prefill.start_ns <= prefill.end_ns <= root.end_ns
     assert root.start_ns <= decode.start_ns <= decode.end_ns <= root.end_ns
+    # P's call ends when P answered (Record.prefilled_at), before D's answer is relayed.
+    assert prefill.end_ns < decode.end_ns
 
 
 async def test_a_first_token_stream_and_a_fallback_are_traced(make_cluster: MakeCluster,
