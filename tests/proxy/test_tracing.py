@@ -199,7 +199,7 @@ async def test_records_the_exporter_does_not_read_are_dropped_and_counted() -> N
     for _ in range(exportproc.FRAME_RECORDS):
         export.add(("00-" + "1" * 32 + "-",), 3)
     assert len(written) == 1 and export.counts["dropped"] == 3 * exportproc.FRAME_RECORDS
-    assert export._records == [] and export._starting is None
+    assert not export._records and export._starting is None
 
 
 async def test_closing_with_no_exporter_drops_the_last_records_and_starts_none(
@@ -250,3 +250,15 @@ async def test_span_ids_are_unique_in_a_trace_and_a_call_past_the_cap_joins_the_
     assert {span_id_of(p) for p in parents[MAX_CALLS:]} == {root.span_id.hex()}
     assert {trace_id_of(p) for p in parents} == {root.trace_id.hex()}
     assert abs(root.end_time_unix_nano - time.time_ns()) < 5e9
+
+
+def test_a_frame_is_one_msgpack_array_of_records_encoded_as_they_came() -> None:
+    """The proxy encodes each record as its request ends and writes the array's header when
+    the frame goes: what the exporter decodes is the list of records, at every header size."""
+    import msgspec
+
+    encode = msgspec.msgpack.encode
+    for n in (0, 1, 15, 16, 300, 65_535, 65_536):
+        records = [["00-" + f"{i:032x}-", i, None] for i in range(n)]
+        body = exportproc._array_head(n) + b"".join(encode(r) for r in records)
+        assert msgspec.msgpack.decode(body) == records
