@@ -8,9 +8,9 @@ Fake P (with its bootstrap) and fake D are aiohttp servers on loopback that answ
 first-token mode), each in its own process; proxies measured side by side (--tracing,
 --auth, --compare-ref) meet lean fakes (llhttp, canned bytes) so that the proxy's core is
 their limit, not the fakes' (every row shows how busy the other cores were). The proxy runs
-in its own process, pinned to a core of its own when there are two or more (--no-pin: not); the load
-generator is a small keep-alive HTTP/1.1 client on raw asyncio sockets, so that it stays
-cheap. Direct and proxied load alternate in short slices, so that other work on a shared
+in its own process, pinned to a core of its own when there are two or more (--no-pin: not);
+the load generator is a small keep-alive HTTP/1.1 client on raw asyncio sockets, so that it
+stays cheap. Direct and proxied load alternate in short slices, so that other work on a shared
 machine weighs on both alike. Prints added latency (p50, p99), the proxy's requests per
 second as a ratio of direct-to-D, and each server's CPU time per request.
 Targets: <= 0.6 ms added at p50 at concurrency 1; >= 50% of direct throughput at 64.
