@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,13 +177,17 @@ def measure(port: int, pid: int, concurrency: int, seconds: float, stream: bool,
 
 
 def compare(d: tuple[int, int], x: tuple[int, int], concurrency: int, seconds: float,
-            stream: bool, rounds: int, watch: set[int] | None = None) -> tuple[Result, Result]:
+            stream: bool, rounds: int, watch: set[int] | None = None,
+            switch: Callable[[int], None] | None = None) -> tuple[Result, Result]:
     """Direct and proxied in alternating slices, so that other work on a shared machine
     weighs on both sides alike; the slices are pooled. `watch`: cores whose load is kept
-    (Result.busy), the ones the servers measured do not run on."""
+    (Result.busy), the ones the servers measured do not run on. `switch(side)`, before
+    each slice: one server measured two ways (a setting changed between its slices)."""
     pooled = [Result([], 0.0, 0, 0.0), Result([], 0.0, 0, 0.0)]
     for i in range(rounds):
-        for (port, pid), acc in zip((d, x), pooled, strict=True):
+        for side, ((port, pid), acc) in enumerate(zip((d, x), pooled, strict=True)):
+            if switch is not None:
+                switch(side)
             r = measure(port, pid, concurrency, seconds / rounds, stream,
                         warmup=0.3 if i == 0 else 0.05, watch=watch)
             acc.latencies += r.latencies
@@ -195,3 +201,126 @@ def compare(d: tuple[int, int], x: tuple[int, int], concurrency: int, seconds: f
         if acc.busy is not None:
             acc.busy /= max(1e-9, acc.seconds)
     return pooled[0], pooled[1]
+
+
+def _run_ns(pid: int) -> int:
+    """CPU time of all of a process's threads, in ns (schedstat: exact, where /proc's stat
+    counts clock ticks of 10 ms, too coarse for a fraction of a second)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError):
+            pass  # a thread that just ended
+    return total
+
+
+@dataclass
+class Switched:
+    """One server measured two ways in windows of one unbroken load: each side's windows
+    pooled, and the paired windows' ratios (side 1 over side 0) of req/s and CPU per
+    request, whose medians shrug off a neighbour's burst that one window caught."""
+
+    sides: tuple[Result, Result]
+    rps_ratios: list[float]
+    cpu_ratios: list[float]
+
+    @staticmethod
+    def _median(xs: list[float]) -> float:
+        s = sorted(xs)
+        return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+
+    @property
+    def rps_ratio(self) -> float:
+        return self._median(self.rps_ratios)
+
+    @property
+    def cpu_ratio(self) -> float:
+        return self._median(self.cpu_ratios)
+
+
+async def _switched(port: int, pid: int, switch: Callable[[int], None], concurrency: int,
+                    seconds: float, stream: bool, window: float, settle: float,
+                    watch: set[int] | None) -> Switched:
+    loop = asyncio.get_running_loop()
+    raw = _request_bytes(port, stream)
+    conns = []
+    for _ in range(concurrency):
+        _, proto = await loop.create_connection(HttpConn, "127.0.0.1", port)
+        conns.append(proto)
+    # The window open now: its start, the latencies of requests begun in it, completions.
+    current: list = [0.0, [], 0]
+    stop = False
+
+    async def worker(conn: HttpConn) -> None:
+        while not stop:
+            t0 = time.perf_counter()
+            status, body = await conn.request(raw)
+            t1 = time.perf_counter()
+            if status != 200 or (stream and not body.endswith(b"data: [DONE]\n\n")):
+                raise RuntimeError(f"bad answer {status}: {body[:200]!r}")
+            current[2] += 1
+            if t0 >= current[0]:  # begun before the window: its latency not counted
+                current[1].append(t1 - t0)
+
+    workers = asyncio.gather(*(worker(c) for c in conns))
+    sides = (Result([], 0.0, 0, 0.0), Result([], 0.0, 0, 0.0))
+    per_window: list[tuple[int, float, float]] = []  # side, req/s, CPU s per request
+    try:
+        switch(0)
+        await asyncio.sleep(0.3)  # warm-up
+        # Each pair's order drawn at random and each window's length jittered: a fixed
+        # order locks onto the proxy's periodic work (health checks each second, timers)
+        # and read 6% apart with both sides the same.
+        order = [side for _ in range(max(1, round(seconds / window) // 2))
+                 for side in random.sample((0, 1), 2)]
+        for side in order:
+            switch(side)
+            # Requests begun before the switch end first: their work is the other side's.
+            await asyncio.sleep(settle)
+            cores = _cpu_times(watch) if watch else None
+            cpu0, t_start = _run_ns(pid), time.perf_counter()
+            current[:] = [t_start, [], 0]
+            await asyncio.sleep(window * random.uniform(0.7, 1.3))
+            if workers.done():
+                workers.result()  # a worker failed: its error
+            elapsed = time.perf_counter() - t_start
+            cpu = (_run_ns(pid) - cpu0) / 1e9
+            done, acc = current[2], sides[side]
+            acc.latencies += current[1]
+            acc.seconds += elapsed
+            acc.total += done
+            acc.cpu_per_req = (acc.cpu_per_req or 0) + cpu
+            if watch and cores is not None:
+                total, idle = _cpu_times(watch)
+                busy = 1 - (idle - cores[1]) / max(1, total - cores[0])
+                acc.busy = (acc.busy or 0) + busy * elapsed
+            per_window.append((side, done / elapsed, cpu / max(1, done)))
+    finally:
+        stop = True
+        await asyncio.wait_for(workers, 30)  # bounded: each worker ends after its request
+        for c in conns:
+            assert c.transport is not None
+            c.transport.close()
+    for acc in sides:
+        acc.cpu_per_req = (acc.cpu_per_req or 0) / max(1, acc.total)
+        if acc.busy is not None:
+            acc.busy /= max(1e-9, acc.seconds)
+    rps, cpu = [], []
+    for a, b in zip(per_window[::2], per_window[1::2], strict=True):
+        off, on = (a, b) if a[0] == 0 else (b, a)
+        rps.append(on[1] / off[1])
+        cpu.append(on[2] / off[2])
+    return Switched(sides, rps, cpu)
+
+
+def compare_switched(port: int, pid: int, switch: Callable[[int], None], concurrency: int,
+                     seconds: float, stream: bool, window: float = 0.1, settle: float = 0.05,
+                     watch: set[int] | None = None) -> Switched:
+    """One server, switched between two ways (`switch(side)`) under one unbroken load,
+    measured in windows of about `window` seconds, each `settle` seconds after its switch:
+    no reconnects, no second process whose own speed differs (two identical proxy
+    processes read up to 4% apart on a shared machine; two sides the same read within 1-2%
+    this way, in 0.1 s windows)."""
+    return asyncio.run(_switched(port, pid, switch, concurrency, seconds, stream, window,
+                                 settle, watch))

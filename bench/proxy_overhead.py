@@ -15,10 +15,10 @@ machine weighs on both alike. Prints added latency (p50, p99), the proxy's reque
 second as a ratio of direct-to-D, and each server's CPU time per request.
 Targets: <= 0.6 ms added at p50 at concurrency 1; >= 50% of direct throughput at 64.
 --tracing: also a proxy exporting a trace per request (OTLP/HTTP or gRPC, to a receiver
-process that answers at once) against the untraced one: >= 95% of its req/s and at most
-0.1 ms more p50 at concurrency 1. Its span exporter is a process of its own
-(appliance.observability.exportproc); pinned, it shares the other cores, as everything but
-the proxy does.
+process that answers at once) against itself with tracing paused (PUT /admin/tracing between
+slices): >= 95% of its req/s and at most 0.1 ms more p50 at concurrency 1. Its span
+exporter is a process of its own (appliance.observability.exportproc); pinned, it shares the
+other cores, as everything but the proxy does.
 """
 
 from __future__ import annotations
@@ -30,11 +30,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import gitref  # bench/gitref.py, beside this script
-from overhead_load import CLIENT_KEY, KEYED_PORTS, Result, compare, cpu_seconds
+from overhead_load import (
+    CLIENT_KEY,
+    KEYED_PORTS,
+    Result,
+    Switched,
+    compare,
+    compare_switched,
+    cpu_seconds,
+)
 from overhead_servers import CHUNKS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +91,8 @@ def _children(pid: int) -> list[int]:
 
 @dataclass
 class Arm:
-    """Another proxy measured against this one in alternating slices."""
+    """Another proxy measured against this one in alternating slices, or one proxy measured
+    two ways (`switch(side)` before each slice changes it: side 1 is the arm's way)."""
 
     label: str  # its column name
     port: int
@@ -91,6 +101,19 @@ class Arm:
     now_over_it: bool  # the ratio shown: this proxy's req/s over its (True), or its over ours
     min_ratio: float = 0.90
     max_added_p50_ms: float | None = None  # at concurrency 1, its p50 over this proxy's
+    switch: Callable[[int], None] | None = None
+
+
+def _set_tracing(port: int, enabled: bool) -> None:
+    """PUT /admin/tracing on a proxy of this host (the admin API takes loopback callers
+    when the node has no key)."""
+    body = f'{{"enabled": {"true" if enabled else "false"}}}'.encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"PUT /admin/tracing HTTP/1.0\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        answer = b"".join(iter(lambda: s.recv(65536), b""))
+    if answer.split(b"\r\n", 1)[0].split(b" ")[1:2] != [b"200"]:
+        raise RuntimeError(f"PUT /admin/tracing: {answer[:300]!r}")
 
 
 def _trace_spans(port: int) -> str:
@@ -124,6 +147,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--rounds", type=int, default=4,
                     help="alternating direct/proxied slices per cell")
+    ap.add_argument("--window", type=float, default=0.1, metavar="SECONDS",
+                    help="a proxy measured two ways (--tracing) switches every WINDOW")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="give the proxy a core of its own, the rest the other cores (the "
                          "target's terms); --no-pin on a machine busy with other work")
@@ -195,11 +220,13 @@ def main() -> None:
                       proxy_cpus, logs / "traced.log")
         procs.append(proc)
         traced = proc
+        # One process, tracing paused and resumed between slices (PUT /admin/tracing):
+        # two processes, even identical ones, differ by up to 4% on this kind of machine.
         arms.append(Arm("traced", t_port, proc, f"traced proxy ({args.tracing_sample:.0%} of "
                         f"requests, exported over OTLP/{'gRPC' if grpc else 'HTTP'}) against "
-                        "the untraced one",
-                        now_over_it=False,
-                        min_ratio=0.95, max_added_p50_ms=0.1))
+                        "itself with tracing paused between slices",
+                        now_over_it=False, min_ratio=0.95, max_added_p50_ms=0.1,
+                        switch=lambda side, port=t_port: _set_tracing(port, bool(side))))
     worktree: Path | None = None
     if args.compare_ref:
         worktree = gitref.checkout(args.compare_ref, logs / "ref")
@@ -226,7 +253,7 @@ def main() -> None:
             for pid in _children(traced.pid):
                 os.sched_setaffinity(pid, other_cpus)
         rows = []
-        against: list[tuple[Arm, bool, int, Result, Result]] = []
+        against: list[tuple[Arm, bool, int, Result, Result, Switched | None]] = []
         started = time.monotonic()
         for stream in (False, True):
             for c in args.concurrency:
@@ -235,15 +262,22 @@ def main() -> None:
                 rows.append((stream, c, direct, proxied))
                 for arm in arms:
                     assert lean is not None
-                    against.append((arm, stream, c, *compare(
-                        (lx_port, lean.pid), (arm.port, arm.proc.pid), c, args.seconds,
-                        stream, args.rounds, other_cpus)))
+                    if arm.switch is None:  # against the lean proxy, in slices
+                        against.append((arm, stream, c, *compare(
+                            (lx_port, lean.pid), (arm.port, arm.proc.pid), c, args.seconds,
+                            stream, args.rounds, other_cpus), None))
+                    else:  # against itself, switched between windows of one load
+                        sw = compare_switched(arm.port, arm.proc.pid, arm.switch, c,
+                                              args.seconds, stream, args.window,
+                                              watch=other_cpus)
+                        against.append((arm, stream, c, *sw.sides, sw))
         wall = time.monotonic() - started
         spans = "" if traced_port is None else _trace_spans(traced_port)
         # The exporter's CPU (on the other cores), per request the traced proxy served.
         exporter_cpu = 0.0 if traced is None else sum(
             cpu_seconds(pid) for pid in _children(traced.pid))
-        traced_requests = sum(it.total for arm, _, _, _, it in against if arm.proc is traced)
+        traced_requests = sum(it.total for arm, _, _, _, it, _ in against
+                              if arm.proc is traced)
     except BaseException:
         console.print(f"[red]bench failed; process logs in {logs}[/]")
         raise
@@ -285,15 +319,20 @@ def main() -> None:
     console.print(table)
     for arm in arms:
         ratio_name = f"now/{arm.label}" if arm.now_over_it else f"{arm.label}/now"
-        t = Table(title=f"{arm.title}, alternating slices")
+        how = (f"the median of {args.window:g} s windows paired, pooled in brackets"
+               if arm.switch else "alternating slices")
+        t = Table(title=f"{arm.title}, {how}")
         for col in ("mode", "conc", "now p50 ms", f"{arm.label} p50 ms", "now req/s",
                     f"{arm.label} req/s", ratio_name, "target", "now CPU µs/req",
                     f"{arm.label} CPU µs/req", "other cores busy"):
             t.add_column(col, justify="right")
-        for a_, stream, c, now, it in against:
+        for a_, stream, c, now, it, sw in against:
             if a_ is not arm:
                 continue
-            ratio = now.rps / it.rps if arm.now_over_it else it.rps / now.rps
+            if sw is not None:  # the median of paired windows' ratios
+                ratio = 1 / sw.rps_ratio if arm.now_over_it else sw.rps_ratio
+            else:
+                ratio = now.rps / it.rps if arm.now_over_it else it.rps / now.rps
             ok, target = ratio >= arm.min_ratio, f">= {arm.min_ratio:.0%}"
             if arm.max_added_p50_ms is not None and c == 1:
                 added = (it.pct(0.5) - now.pct(0.5)) * 1000
@@ -302,7 +341,8 @@ def main() -> None:
             verdicts.append(ok)
             t.add_row(f"stream ({CHUNKS} ev)" if stream else "json", str(c),
                       f"{now.pct(0.5) * 1000:.2f}", f"{it.pct(0.5) * 1000:.2f}",
-                      f"{now.rps:,.0f}", f"{it.rps:,.0f}", f"{ratio:.0%}",
+                      f"{now.rps:,.0f}", f"{it.rps:,.0f}",
+                      f"{ratio:.0%}" + (f" ({it.rps / now.rps:.0%})" if sw else ""),
                       f"[green]{target} ok[/]" if ok else f"[red]{target} MISSED[/]",
                       f"{(now.cpu_per_req or 0) * 1e6:.0f}", f"{(it.cpu_per_req or 0) * 1e6:.0f}",
                       _busy(now, it))

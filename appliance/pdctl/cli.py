@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from appliance.pdctl import config as cfgmod
+from appliance.pdctl.admincmd import drain, tracing
 from appliance.pdctl.clibase import (
     Env,
     PdctlGroup,
@@ -25,7 +26,6 @@ from appliance.pdctl.clibase import (
 )
 from appliance.pdctl.cluster import cmd as clustercmd
 from appliance.pdctl.config import HostConfig, load_config
-from appliance.pdctl.draincmd import drain
 from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
 from appliance.pdctl.host.init import init
 from appliance.pdctl.top.cmd import top
@@ -48,6 +48,7 @@ def cli(ctx: click.Context) -> None:
 
 cli.add_command(init)
 cli.add_command(drain)
+cli.add_command(tracing)
 cli.add_command(top)
 
 

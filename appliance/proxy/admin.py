@@ -3,8 +3,10 @@
 `POST /admin/drain {"node": URL | "prefill" | "decode"}` takes nodes out of rotation (they
 get nothing new; what they have finishes), `POST /admin/undrain` puts them back, `GET
 /admin/drain` says what is draining and what it still holds (`pdctl drain` drives these).
-The admin API needs the node's key (the proxy's backend_api_key, keys/api-key); without
-one configured, only callers on this host.
+`PUT /admin/tracing {"sample_ratio": R, "enabled": B}` turns tracing up, down, off and on
+again without a restart, where an OTLP endpoint is set (`GET` says how it stands; `pdctl
+tracing`). The admin API needs the node's key (the proxy's backend_api_key,
+keys/api-key); without one configured, only callers on this host.
 
 SIGTERM (`pdctl down`, `docker compose down`, systemd) drains the proxy itself: the listener
 closes, requests in flight get up to `drain_grace_s` to finish, and what is left then ends
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from aiohttp import web
@@ -44,11 +46,52 @@ def _nodes(proxy: Proxy) -> list[dict[str, Any]]:
             for b in proxy.backends.all()]
 
 
+class TracingChange(msgspec.Struct, forbid_unknown_fields=True):
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    enabled: bool | None = None
+
+
+_UNAUTHORIZED = "the admin API needs the node's key (keys/api-key)"
+
+
+def tracing_routes(proxy: Proxy) -> list[web.RouteDef]:
+    async def show(request: web.Request) -> web.Response:
+        if not _allowed(proxy, request):
+            return json_error(401, _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+        if proxy.tracing is None:
+            return json_error(409, "tracing is off: no OTLP endpoint is set (the host "
+                                   "config's [tracing] otlp_endpoint, the proxy's "
+                                   "--otlp-traces-endpoint)")
+        return web.json_response(proxy.tracing.state())
+
+    async def change(request: web.Request) -> web.Response:
+        answer = await show(request)
+        if answer.status != 200:
+            return answer
+        assert proxy.tracing is not None
+        try:
+            body = msgspec.json.decode(await request.read(), type=TracingChange)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return json_error(400, f'expected {{"sample_ratio": 0 to 1, "enabled": true | '
+                                   f'false}}: {exc}')
+        before = proxy.tracing.state()
+        if body.sample_ratio is not None:
+            proxy.tracing.sample_ratio = body.sample_ratio
+        if body.enabled is not None:
+            proxy.tracing.enabled = body.enabled
+        after = proxy.tracing.state()
+        log.warning("tracing changed through the admin API: enabled %s -> %s, sample ratio "
+                    "%g -> %g", before["enabled"], after["enabled"], before["sample_ratio"],
+                    after["sample_ratio"])
+        return web.json_response(after)
+
+    return [web.get("/admin/tracing", show), web.put("/admin/tracing", change)]
+
+
 def routes(proxy: Proxy) -> list[web.RouteDef]:
     async def change(request: web.Request, draining: bool) -> web.Response:
         if not _allowed(proxy, request):
-            return json_error(401, "the admin API needs the node's key (keys/api-key)",
-                              headers={"WWW-Authenticate": "Bearer"})
+            return json_error(401, _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
         try:
             body = msgspec.json.decode(await request.read())
             node = body["node"]
@@ -72,11 +115,11 @@ def routes(proxy: Proxy) -> list[web.RouteDef]:
 
     async def show(request: web.Request) -> web.Response:
         if not _allowed(proxy, request):
-            return json_error(401, "the admin API needs the node's key (keys/api-key)")
+            return json_error(401, _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
         return web.json_response({"nodes": _nodes(proxy), "in_flight": proxy.in_flight})
 
     return [web.post("/admin/drain", drain), web.post("/admin/undrain", undrain),
-            web.get("/admin/drain", show)]
+            web.get("/admin/drain", show), *tracing_routes(proxy)]
 
 
 async def drain_on_shutdown(proxy: Proxy) -> None:

@@ -11,6 +11,7 @@ concurrency 64, and writing and sending the spans' bytes in its own loop still a
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -29,16 +30,46 @@ _CACHE_MAX = 4096
 # A request's calls that get spans (their span ids' last hex digit is 1 to 15).
 _DIGITS = "0123456789abcdef"
 MAX_CALLS = 15
-_bits = random.getrandbits
-_time_ns, _monotonic_ns = time.time_ns, time.monotonic_ns
+_CALL = 5  # a call's fields in RequestTrace's calls: role, node, transfer id, start, end
+_monotonic_ns = time.monotonic_ns
+_STEM_ZERO = "0" * 15
+
+
+class _RandomHex:
+    """Random hex digits, drawn from os.urandom 4 KiB at a time: formatting a random 128-bit
+    number as hex cost 0.5 µs a request, a slice of this a tenth of it."""
+
+    __slots__ = ("_pool", "_at")
+
+    def __init__(self) -> None:
+        self._pool, self._at = "", 0
+
+    def take(self, n: int) -> str:
+        at = self._at
+        end = at + n
+        if end > len(self._pool):
+            self._pool, at, end = os.urandom(4096).hex(), 0, n
+        self._at = end
+        return self._pool[at:end]
+
+
+_hex = _RandomHex().take
 
 
 class Tracing:
     """The proxy's tracer (made only when an OTLP endpoint is set)."""
 
     def __init__(self, endpoint: str, protocol: str, sample_ratio: float = 1.0) -> None:
+        self.endpoint, self.protocol = endpoint, protocol
         self.export = ExportProcess(endpoint, protocol, f"{__name__}:SpanWriter")
         self.sample_ratio = sample_ratio
+        # Paused (PUT /admin/tracing): requests go as if no endpoint were set, no context
+        # sent; the exporter stays up, so resuming costs nothing.
+        self.enabled = True
+
+    def state(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "protocol": self.protocol, "enabled": self.enabled,
+                "sample_ratio": self.sample_ratio, "spans": dict(self.export.counts)}
 
     async def start(self) -> None:
         await self.export.start()
@@ -63,7 +94,7 @@ class SpanWriter:
 
     @staticmethod
     def spans(raw: Any) -> int:
-        return 1 + len(raw[-1])  # the request's, and one per call
+        return 1 + len(raw[-1]) // _CALL  # the request's, and one per call
 
     def __init__(self) -> None:
         self._names: dict[str, bytes] = {}
@@ -87,10 +118,12 @@ class SpanWriter:
     def encode(self, raw: Any) -> bytes:
         """A request's spans: its own, then one per call, children of it. Unpacked by
         position: this runs for every request traced. Clock readings arrive monotonic
-        (the request's start in seconds, the rest in ns) with the offset that makes them
-        the epoch's; span ids arrive as their traceparent's hex (RequestTrace)."""
-        (parent, wall, started, end_ns, request_id, route, status, path, transfer_id,
+        (the request's start in seconds, the rest in ns; the monotonic clock is the host's,
+        so this process's offset makes them the epoch's); span ids arrive as their
+        traceparent's hex (RequestTrace)."""
+        (parent, started, end_ns, request_id, route, status, path, transfer_id,
          output, prompt, where, reason, fallback, error, calls) = raw
+        wall = time.time_ns() - _monotonic_ns()
         trace_id = bytes.fromhex(parent[3:35])
         base = parent[36:]
         span_id = bytes.fromhex(base + "0")
@@ -98,7 +131,9 @@ class SpanWriter:
         xfer = _TRANSFER_ID.str(transfer_id) if transfer_id else b""
         attr, span = self.attr, wire.span
         out = []
-        for index, (role, url, call_xfer, call_start, call_end) in enumerate(calls):
+        for index in range(len(calls) // _CALL):
+            role, url, call_xfer, call_start, call_end = calls[index * _CALL:
+                                                               (index + 1) * _CALL]
             if call_xfer != transfer_id:  # a call made before the transfer was named
                 call_xfer = _TRANSFER_ID.str(call_xfer) if call_xfer else b""
             else:
@@ -127,10 +162,13 @@ class Unsampled:
     __slots__ = ("_trace",)
 
     def __init__(self) -> None:
-        self._trace = f"00-{_bits(128) | 1:032x}-"
+        self._trace = f"00-{_hex(32)}-"
 
     def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
-        headers["traceparent"] = f"{self._trace}{_bits(64) | 1:016x}-00"
+        span = _hex(16)
+        if span == "0000000000000000":  # the one span id W3C rules out
+            span = "0000000000000001"
+        headers["traceparent"] = f"{self._trace}{span}-00"
 
     def finish(self, rec: Record) -> None:
         pass
@@ -146,16 +184,20 @@ class RequestTrace:
 
     One random number names it all: the trace id, and a 60-bit stem of the span ids whose
     last hex digit is 0 for the request's own span and the call's index + 1 for a call's
-    (unique within the trace, which is all a span id needs; vLLM's spans bring their own)."""
+    (unique within the trace, which is all a span id needs; vLLM's spans bring their own).
+    The calls' fields lie in one flat list (_CALL each): a list per call cost an object
+    more per call."""
 
     __slots__ = ("_add", "_parent", "_calls")
 
     def __init__(self, export: ExportProcess) -> None:
         self._add = export.add
-        trace = f"{_bits(128) | 1:032x}"  # its low bits the stem: never all zeros
+        trace = _hex(32)
+        if trace[17:] == _STEM_ZERO:  # the request's span id would be all zeros
+            trace = trace[:31] + "1"
         self._parent = f"00-{trace}-{trace[17:]}"  # a call's digit, then "-01", follows
-        # Each call: role, node, transfer id, start and end (monotonic ns; 0 while it runs).
-        self._calls: list[list[Any]] = []
+        # Role, node, transfer id, start and end (monotonic ns; 0 while it runs) of each.
+        self._calls: list[Any] = []
 
     def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
         """A call to a `role` node begins (ending this request's earlier one there): its
@@ -164,14 +206,14 @@ class RequestTrace:
         now = _monotonic_ns()
         n = len(calls)
         if n:
-            for earlier in calls:
-                if earlier[0] == role and not earlier[4]:
-                    earlier[4] = now
-            if n >= MAX_CALLS:  # retried past reason: vLLM's span joins the request's
+            for i in range(0, n, _CALL):
+                if calls[i] == role and not calls[i + 4]:
+                    calls[i + 4] = now
+            if n >= MAX_CALLS * _CALL:  # retried past reason: vLLM's span joins the request's
                 headers["traceparent"] = f"{self._parent}0-01"
                 return
-        headers["traceparent"] = f"{self._parent}{_DIGITS[n + 1]}-01"
-        calls.append([role, url, rec.transfer_id, now, 0])
+        headers["traceparent"] = f"{self._parent}{_DIGITS[n // _CALL + 1]}-01"
+        calls += (role, url, rec.transfer_id, now, 0)
 
     def finish(self, rec: Record) -> None:
         now = _monotonic_ns()
@@ -179,14 +221,14 @@ class RequestTrace:
         answered = rec.prefilled_at
         if answered is not None:
             answered_ns = round(answered * 1e9)
-            for call in calls:
-                if call[0] == "prefill" and not call[4] and call[3] <= answered_ns:
-                    call[4] = answered_ns
+            for i in range(0, len(calls), _CALL):
+                if calls[i] == "prefill" and not calls[i + 4] and calls[i + 3] <= answered_ns:
+                    calls[i + 4] = answered_ns
         placed = rec.placed
         error = (rec.error or str(rec.status)) if rec.status >= 500 or rec.error else None
         self._add((  # as SpanWriter.encode unpacks it
-            self._parent, _time_ns() - now, rec.started, now, rec.request_id, rec.route,
+            self._parent, rec.started, now, rec.request_id, rec.route,
             rec.status, rec.path, rec.transfer_id, rec.usage_output or rec.tokens_out,
             rec.usage_prompt or rec.prompt_tokens or 0,
             None if placed is None else placed.where, None if placed is None else placed.reason,
-            rec.fallback, error, calls), 1 + len(calls))
+            rec.fallback, error, calls), 1 + len(calls) // _CALL)

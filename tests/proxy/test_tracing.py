@@ -262,3 +262,61 @@ def test_a_frame_is_one_msgpack_array_of_records_encoded_as_they_came() -> None:
         records = [["00-" + f"{i:032x}-", i, None] for i in range(n)]
         body = exportproc._array_head(n) + b"".join(encode(r) for r in records)
         assert msgspec.msgpack.decode(body) == records
+
+
+async def test_tracing_is_paused_resumed_and_resampled_at_runtime_through_the_admin_api(
+        make_cluster: MakeCluster, collector: Collector, tmp_path) -> None:
+    """PUT /admin/tracing (pdctl tracing): an incident's sampling without a restart."""
+    from click.testing import CliRunner
+
+    from appliance.pdctl.cli import cli
+    from appliance.pdctl.local.state import LocalState
+
+    c = await make_cluster(otlp_traces_endpoint=collector.url, backend_api_key="node-key",
+                           otlp_traces_protocol="http/protobuf", otlp_traces_sample_ratio=0.0)
+    run_dir = tmp_path / "run"
+    (run_dir / "keys").mkdir(parents=True)
+    (run_dir / "keys" / "api-key").write_text("node-key\n")
+    LocalState(run_id="r", supervisor_pid=None, started_at=0.0, model="m",
+               endpoints={"proxy": c.url}, services=[]).save(run_dir)
+
+    def pdctl(*args: str):
+        return CliRunner().invoke(cli, ["tracing", *args, "--local", "--run-dir", str(run_dir)])
+
+    res = await asyncio.to_thread(pdctl)
+    assert res.exit_code == 0, res.output
+    assert f"tracing on, 0% of requests sampled, to {collector.url}" in res.output
+    res = await asyncio.to_thread(pdctl, "--sample-ratio", "1")
+    assert res.exit_code == 0 and "tracing on, 100% of requests sampled" in res.output
+    assert (await c.post())[0] == 200
+    traced = trace_id_of(c.decode[0].received[-1].headers["traceparent"])
+    await collector.wait_async(traced, {"pd.request", "pd.prefill", "pd.decode"})
+    res = await asyncio.to_thread(pdctl, "--off")
+    assert res.exit_code == 0 and "tracing paused, 100%" in res.output, res.output
+    assert (await c.post())[0] == 200  # paused: as if no endpoint were set
+    assert "traceparent" not in c.decode[0].received[-1].headers
+    res = await asyncio.to_thread(pdctl, "--on")
+    assert res.exit_code == 0 and "tracing on" in res.output
+    assert (await c.post())[0] == 200
+    assert c.decode[0].received[-1].headers["traceparent"].endswith("-01")
+    # Bad input: a clear error, nothing changed.
+    res = await asyncio.to_thread(pdctl, "--sample-ratio", "2")
+    assert res.exit_code == 2 and "0<=x<=1" in res.output, res.output
+    headers = {"Authorization": "Bearer node-key"}
+    async with c.http.put(f"{c.url}/admin/tracing", json={"sample_ratio": -1},
+                          headers=headers) as r:
+        assert r.status == 400 and "sample_ratio" in (await r.json())["error"]["message"]
+    async with c.http.put(f"{c.url}/admin/tracing", json={"ratio": 1}, headers=headers) as r:
+        assert r.status == 400
+    async with c.http.put(f"{c.url}/admin/tracing", json={"enabled": False}) as r:
+        assert r.status == 401  # the node's key, as for drains
+    async with c.http.get(f"{c.url}/admin/tracing", headers=headers) as r:
+        assert (await r.json())["enabled"] is True
+
+
+async def test_the_tracing_admin_api_says_tracing_is_off_without_an_endpoint(
+        make_cluster: MakeCluster) -> None:
+    c = await make_cluster()
+    async with c.http.put(f"{c.url}/admin/tracing", json={"sample_ratio": 1}) as r:
+        assert r.status == 409
+        assert "no OTLP endpoint is set" in (await r.json())["error"]["message"]

@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 from rich.live import Live
 
+from appliance.pdctl.admincmd import proxy_target
 from appliance.pdctl.clibase import config_option, env_of
-from appliance.pdctl.draincmd import proxy_target
 from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
 
 

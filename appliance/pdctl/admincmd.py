@@ -1,7 +1,11 @@
-"""`pdctl drain NODE`: take a node out of the proxy's rotation (it gets nothing new, what it
-has finishes), through the proxy's admin API (appliance.proxy.admin); `--undo` puts it back.
-NODE is `prefill`, `decode` (every node of that role) or a node's URL. `pdctl down` needs no
-drain first: SIGTERM drains the proxy itself."""
+"""pdctl's commands on the proxy's admin API (appliance.proxy.admin).
+
+`pdctl drain NODE`: take a node out of the proxy's rotation (it gets nothing new, what it
+has finishes); `--undo` puts it back. NODE is `prefill`, `decode` (every node of that role)
+or a node's URL. `pdctl down` needs no drain first: SIGTERM drains the proxy itself.
+
+`pdctl tracing [--sample-ratio R] [--on | --off]`: how the proxy traces, changed without a
+restart (an incident's few minutes at ratio 1, then back)."""
 
 from __future__ import annotations
 
@@ -42,14 +46,14 @@ def proxy_target(config_path: Path | None, local: bool, run_dir: Path | None) ->
             keys_dir(path.parent.resolve()) / "api-key")
 
 
-def _call(url: str, key_file: Path, body: dict | None = None) -> dict:
+def _call(url: str, key_file: Path, body: dict | None = None, method: str = "POST") -> dict:
     headers = {"Content-Type": "application/json"}
     try:
         headers["Authorization"] = f"Bearer {key_file.read_text().strip()}"
     except OSError:
         pass  # a node without keys takes admin calls from this host alone
     req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers=headers, method="GET" if body is None else "POST")
+                                 headers=headers, method="GET" if body is None else method)
     ctx = ssl._create_unverified_context() if url.startswith("https:") else None  # ours
     try:
         with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
@@ -99,3 +103,29 @@ def drain(ctx: click.Context, node: str, config_path: Path | None, local: bool,
     if wait and not undo and busy:
         out.print(f"pdctl: still {busy} in flight after {wait:g} s")
         ctx.exit(RUNTIME)
+
+
+@click.command()
+@config_option
+@click.option("--local", "local", is_flag=True, help="the --local node")
+@click.option("--run-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="--local: its state directory")
+@click.option("--sample-ratio", type=click.FloatRange(0, 1), metavar="RATIO",
+              help="the share of requests traced, 0 to 1")
+@click.option("--on/--off", "enabled", default=None,
+              help="resume, or pause (requests go as if no endpoint were set)")
+@click.pass_context
+def tracing(ctx: click.Context, config_path: Path | None, local: bool, run_dir: Path | None,
+            sample_ratio: float | None, enabled: bool | None) -> None:
+    """Show how the proxy traces requests, or change it without a restart."""
+    proxy, key_file = proxy_target(config_path, local, run_dir)
+    url = f"{proxy}/admin/tracing"
+    change = {k: v for k, v in (("sample_ratio", sample_ratio), ("enabled", enabled))
+              if v is not None}
+    state = _call(url, key_file, change, method="PUT") if change else _call(url, key_file)
+    spans = state.get("spans", {})
+    env_of(ctx).out.print(
+        f"pdctl: tracing {'on' if state['enabled'] else 'paused'}, "
+        f"{state['sample_ratio']:.0%} of requests sampled, to {state['endpoint']} "
+        f"({state['protocol']}); spans exported {spans.get('exported', 0)}, "
+        f"dropped {spans.get('dropped', 0)}")
