@@ -16,9 +16,11 @@ second as a ratio of direct-to-D, and each server's CPU time per request.
 Targets: <= 0.6 ms added at p50 at concurrency 1; >= 50% of direct throughput at 64.
 --tracing: also a proxy exporting a trace per request (OTLP/HTTP or gRPC, to a receiver
 process that answers at once) against itself with tracing paused (PUT /admin/tracing between
-slices): >= 95% of its req/s and at most 0.1 ms more p50 at concurrency 1. Its span
-exporter is a process of its own (appliance.observability.exportproc); pinned, it shares the
-other cores, as everything but the proxy does.
+slices): >= 95% of its req/s at concurrency 64 and at most 0.1 ms more p50 at 1. It
+switches every 0.1 s (--window) under one unbroken load and reads the median of paired
+windows' ratios; both sides the same read within 1-2% this way. Its span exporter is a
+process of its own (appliance.observability.exportproc); pinned, it shares the other cores,
+as everything but the proxy does.
 """
 
 from __future__ import annotations
@@ -116,15 +118,16 @@ def _set_tracing(port: int, enabled: bool) -> None:
         raise RuntimeError(f"PUT /admin/tracing: {answer[:300]!r}")
 
 
-def _trace_spans(port: int) -> str:
-    """The traced proxy's span counts (pd_proxy_trace_spans_total): a dropped span would
-    make tracing look cheaper than it is."""
+def _trace_spans(port: int) -> dict[str, float]:
+    """The traced proxy's span counts by outcome (pd_proxy_trace_spans_total): a dropped
+    span would make tracing look cheaper than it is."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
         text = b"".join(iter(lambda: s.recv(65536), b"")).decode()
-    counts = [line.split("{")[1] for line in text.splitlines()
-              if line.startswith("pd_proxy_trace_spans_total{")]
-    return ", ".join(c.replace('outcome="', "").replace('"} ', " ") for c in counts)
+    prefix = 'pd_proxy_trace_spans_total{outcome="'
+    return {outcome: float(n) for outcome, _, n in (
+        line[len(prefix):].partition('"} ') for line in text.splitlines()
+        if line.startswith(prefix))}
 
 
 def _busy(*results: Result) -> str:
@@ -272,12 +275,10 @@ def main() -> None:
                                               watch=other_cpus)
                         against.append((arm, stream, c, *sw.sides, sw))
         wall = time.monotonic() - started
-        spans = "" if traced_port is None else _trace_spans(traced_port)
+        spans = {} if traced_port is None else _trace_spans(traced_port)
         # The exporter's CPU (on the other cores), per request the traced proxy served.
         exporter_cpu = 0.0 if traced is None else sum(
             cpu_seconds(pid) for pid in _children(traced.pid))
-        traced_requests = sum(it.total for arm, _, _, _, it, _ in against
-                              if arm.proc is traced)
     except BaseException:
         console.print(f"[red]bench failed; process logs in {logs}[/]")
         raise
@@ -334,10 +335,10 @@ def main() -> None:
             else:
                 ratio = now.rps / it.rps if arm.now_over_it else it.rps / now.rps
             ok, target = ratio >= arm.min_ratio, f">= {arm.min_ratio:.0%}"
-            if arm.max_added_p50_ms is not None and c == 1:
+            if arm.max_added_p50_ms is not None and c == 1:  # judged on its latency alone
                 added = (it.pct(0.5) - now.pct(0.5)) * 1000
-                ok = ok and added <= arm.max_added_p50_ms
-                target += f", p50 +{added:.2f} <= {arm.max_added_p50_ms} ms"
+                ok = added <= arm.max_added_p50_ms
+                target = f"p50 +{added:.2f} <= {arm.max_added_p50_ms} ms"
             verdicts.append(ok)
             t.add_row(f"stream ({CHUNKS} ev)" if stream else "json", str(c),
                       f"{now.pct(0.5) * 1000:.2f}", f"{it.pct(0.5) * 1000:.2f}",
@@ -348,9 +349,11 @@ def main() -> None:
                       _busy(now, it))
         console.print(t)
     if spans:
-        console.print(f"the traced proxy's spans: {spans}; its span exporter took "
-                      f"{exporter_cpu / max(1, traced_requests) * 1e6:.0f} µs of CPU (on the "
-                      f"other cores) per request traced")
+        exported = spans.get("exported", 0)
+        console.print(f"the traced proxy's spans: {exported:,.0f} exported, "
+                      f"{spans.get('dropped', 0):,.0f} dropped; its span exporter took "
+                      f"{exporter_cpu / max(1, exported) * 1e6:.1f} µs of CPU (on the other "
+                      f"cores) per span, three per request")
     if worktree is not None:
         gitref.remove(worktree)
     console.print(f"load phase {wall:.0f} s; CPU per request is the server process's own "
