@@ -109,14 +109,19 @@ class Result:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def load(port: int, concurrency: int, seconds: float, stream: bool,
-               warmup: float = 0.5) -> Result:
+async def _connect(port: int, n: int) -> list[HttpConn]:
     loop = asyncio.get_running_loop()
-    raw = _request_bytes(port, stream)
     conns = []
-    for _ in range(concurrency):
+    for _ in range(n):
         _, proto = await loop.create_connection(HttpConn, "127.0.0.1", port)
         conns.append(proto)
+    return conns
+
+
+async def load(port: int, concurrency: int, seconds: float, stream: bool,
+               warmup: float = 0.5) -> Result:
+    raw = _request_bytes(port, stream)
+    conns = await _connect(port, concurrency)
     latencies: list[float] = []
     total = 0
     start = time.perf_counter()
@@ -242,12 +247,8 @@ class Switched:
 async def _switched(port: int, pid: int, switch: Callable[[int], None], concurrency: int,
                     seconds: float, stream: bool, window: float, settle: float,
                     watch: set[int] | None) -> Switched:
-    loop = asyncio.get_running_loop()
     raw = _request_bytes(port, stream)
-    conns = []
-    for _ in range(concurrency):
-        _, proto = await loop.create_connection(HttpConn, "127.0.0.1", port)
-        conns.append(proto)
+    conns = await _connect(port, concurrency)
     # The window open now: its start, the latencies of requests begun in it, completions.
     current: list = [0.0, [], 0]
     stop = False
