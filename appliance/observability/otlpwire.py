@@ -22,7 +22,7 @@ _SPAN_NAME = 0x2A  # 5: string
 _SPAN_KIND = 0x30  # 6: enum
 _SPAN_ATTRIBUTE = 0x4A  # 9: KeyValue
 _SPAN_STATUS = 0x7A  # 15: Status
-_TIMES = struct.Struct("<BQBQ")  # 7 and 8: start and end, fixed64 nanoseconds
+# 7 and 8: start and end, fixed64 nanoseconds (tags 0x39, 0x41): in the heads below
 _KV_KEY, _KV_VALUE = 0x0A, 0x12
 _ANY_STRING, _ANY_INT = 0x0A, 0x18
 _STATUS_MESSAGE, _STATUS_CODE_ERROR = 0x12, b"\x18\x02"
@@ -103,18 +103,43 @@ def name_kind(name: str, kind: int) -> bytes:
     return field(_SPAN_NAME, name.encode()) + bytes((_SPAN_KIND, kind))
 
 
+# A span's ids and times in one pack (fields 1, 2, 4, 7, 8; protobuf takes fields in any
+# order, so the rest of a span may follow): a child's, and a root's with no parent.
+_CHILD_HEAD = struct.Struct("<2s16s2s8s2s8sBQBQ")
+_ROOT_HEAD = struct.Struct("<2s16s2s8sBQBQ")
+
+
+def child_head(trace_id: bytes, span_id: bytes, parent_id: bytes, start_ns: int,
+               end_ns: int) -> bytes:
+    return _CHILD_HEAD.pack(_SPAN_TRACE_ID, trace_id, _SPAN_ID, span_id, _SPAN_PARENT,
+                            parent_id, 0x39, start_ns, 0x41, end_ns)
+
+
+def root_head(trace_id: bytes, span_id: bytes, start_ns: int, end_ns: int) -> bytes:
+    return _ROOT_HEAD.pack(_SPAN_TRACE_ID, trace_id, _SPAN_ID, span_id, 0x39, start_ns,
+                           0x41, end_ns)
+
+
+def error_status(message: str) -> bytes:
+    """A failed span's status field."""
+    return field(_SPAN_STATUS, field(_STATUS_MESSAGE, message.encode()) + _STATUS_CODE_ERROR)
+
+
+def framed(body: bytes) -> bytes:
+    """A span's fields (a head, then name_kind(), attributes...) as an entry of
+    ScopeSpans.spans."""
+    n = len(body)
+    return b"".join((_SMALL[_SCOPE_SPANS_SPAN], _SMALL[n] if n < 0x80 else varint(n), body))
+
+
 def span(trace_id: bytes, span_id: bytes, parent_id: bytes | None, named: bytes,
          start_ns: int, end_ns: int, attributes: bytes, error: str | None = None) -> bytes:
     """One span, framed as an entry of ScopeSpans.spans. `named`: name_kind(...);
     `attributes`: attr(...) fields joined; `error`: the status message of a failed span."""
-    parts = [_SPAN_TRACE_ID, trace_id, _SPAN_ID, span_id]
-    if parent_id is not None:
-        parts += (_SPAN_PARENT, parent_id)
-    parts += (named, _TIMES.pack(0x39, start_ns, 0x41, end_ns), attributes)
-    if error is not None:
-        parts.append(field(_SPAN_STATUS, field(_STATUS_MESSAGE, error.encode())
-                           + _STATUS_CODE_ERROR))
-    return field(_SCOPE_SPANS_SPAN, b"".join(parts))
+    head = (root_head(trace_id, span_id, start_ns, end_ns) if parent_id is None
+            else child_head(trace_id, span_id, parent_id, start_ns, end_ns))
+    return framed(b"".join((head, named, attributes,
+                            b"" if error is None else error_status(error))))
 
 
 def request(resource: Mapping[str, str | int], scope: str, spans: Iterable[bytes]) -> bytes:
