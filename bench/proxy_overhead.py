@@ -1,7 +1,8 @@
 """What the proxy costs: the same load sent straight to D and through the proxy, in one run.
 
     python bench/proxy_overhead.py [--seconds 3] [--concurrency 1 64] [--auth] [--tracing]
-        [--tracing-protocol grpc|http/protobuf] [--tracing-sample R] [--compare-ref GIT_REF]
+        [--tracing-protocol grpc|http/protobuf] [--tracing-sample R] [--null]
+        [--compare-ref GIT_REF]
 
 Fake P (with its bootstrap) and fake D are aiohttp servers on loopback that answer at once
 (D streams 16 SSE events when asked to; a stream goes P first, then D, the proxy's
@@ -101,7 +102,7 @@ class Arm:
     proc: subprocess.Popen[bytes]
     title: str
     now_over_it: bool  # the ratio shown: this proxy's req/s over its (True), or its over ours
-    min_ratio: float = 0.90
+    min_ratio: float | None = 0.90  # None: shown, not judged
     max_added_p50_ms: float | None = None  # at concurrency 1, its p50 over this proxy's
     switch: Callable[[int], None] | None = None
 
@@ -163,6 +164,9 @@ def main() -> None:
                          "against the untraced one, side by side")
     ap.add_argument("--tracing-protocol", choices=("grpc", "http/protobuf"),
                     default="http/protobuf", help="how the traced proxy exports")
+    ap.add_argument("--null", action="store_true",
+                    help="with --tracing: also the traced proxy paused on both sides, "
+                         "measured the same way (the measure's noise floor)")
     ap.add_argument("--tracing-sample", type=float, default=1.0, metavar="RATIO",
                     help="the traced proxy's --otlp-traces-sample-ratio (default 1)")
     ap.add_argument("--compare-ref", metavar="GIT_REF",
@@ -230,6 +234,10 @@ def main() -> None:
                         "itself with tracing paused between slices",
                         now_over_it=False, min_ratio=0.95, max_added_p50_ms=0.1,
                         switch=lambda side, port=t_port: _set_tracing(port, bool(side))))
+        if args.null:
+            arms.append(Arm("paused", t_port, proc, "the traced proxy paused on both sides "
+                            "(the measure's own noise)", now_over_it=False, min_ratio=None,
+                            switch=lambda side, port=t_port: _set_tracing(port, False)))
     worktree: Path | None = None
     if args.compare_ref:
         worktree = gitref.checkout(args.compare_ref, logs / "ref")
@@ -334,7 +342,8 @@ def main() -> None:
                 ratio = 1 / sw.rps_ratio if arm.now_over_it else sw.rps_ratio
             else:
                 ratio = now.rps / it.rps if arm.now_over_it else it.rps / now.rps
-            ok, target = ratio >= arm.min_ratio, f">= {arm.min_ratio:.0%}"
+            ok, target = ((True, "-") if arm.min_ratio is None
+                          else (ratio >= arm.min_ratio, f">= {arm.min_ratio:.0%}"))
             if arm.max_added_p50_ms is not None and c == 1:  # judged on its latency alone
                 added = (it.pct(0.5) - now.pct(0.5)) * 1000
                 ok = added <= arm.max_added_p50_ms
