@@ -29,8 +29,8 @@ _OUTPUT, _PROMPT = wire.Key("pd.output_tokens"), wire.Key("pd.prompt_tokens")
 _CACHE_MAX = 4096
 # A request's calls that get spans (their span ids' last hex digit is 1 to 15).
 _DIGITS = "0123456789abcdef"
-_BYTES = [bytes((i,)) for i in range(256)]
 MAX_CALLS = 15
+_BYTES = [bytes((i,)) for i in range(256)]  # a call's span id's last byte
 _CALL = 5  # a call's fields in RequestTrace's calls: role, node, transfer id, start, end
 _monotonic_ns = time.monotonic_ns
 _STEM_ZERO = "0" * 15
