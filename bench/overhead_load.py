@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,6 +170,12 @@ def _cpu_times(cpus: set[int]) -> tuple[int, int]:
     return total, idle
 
 
+def _busy_since(watch: set[int], before: tuple[int, int]) -> float:
+    """How busy these cores were since `before` (_cpu_times then)."""
+    total, idle = _cpu_times(watch)
+    return 1 - (idle - before[1]) / max(1, total - before[0])
+
+
 def measure(port: int, pid: int, concurrency: int, seconds: float, stream: bool,
             warmup: float, watch: set[int] | None = None) -> Result:
     before = cpu_seconds(pid)
@@ -176,23 +183,18 @@ def measure(port: int, pid: int, concurrency: int, seconds: float, stream: bool,
     result = asyncio.run(load(port, concurrency, seconds, stream, warmup))
     result.cpu_per_req = (cpu_seconds(pid) - before) / max(1, result.total)
     if watch and cores is not None:
-        total, idle = _cpu_times(watch)
-        result.busy = 1 - (idle - cores[1]) / max(1, total - cores[0])
+        result.busy = _busy_since(watch, cores)
     return result
 
 
 def compare(d: tuple[int, int], x: tuple[int, int], concurrency: int, seconds: float,
-            stream: bool, rounds: int, watch: set[int] | None = None,
-            switch: Callable[[int], None] | None = None) -> tuple[Result, Result]:
+            stream: bool, rounds: int, watch: set[int] | None = None) -> tuple[Result, Result]:
     """Direct and proxied in alternating slices, so that other work on a shared machine
     weighs on both sides alike; the slices are pooled. `watch`: cores whose load is kept
-    (Result.busy), the ones the servers measured do not run on. `switch(side)`, before
-    each slice: one server measured two ways (a setting changed between its slices)."""
+    (Result.busy), the ones the servers measured do not run on."""
     pooled = [Result([], 0.0, 0, 0.0), Result([], 0.0, 0, 0.0)]
     for i in range(rounds):
-        for side, ((port, pid), acc) in enumerate(zip((d, x), pooled, strict=True)):
-            if switch is not None:
-                switch(side)
+        for (port, pid), acc in zip((d, x), pooled, strict=True):
             r = measure(port, pid, concurrency, seconds / rounds, stream,
                         warmup=0.3 if i == 0 else 0.05, watch=watch)
             acc.latencies += r.latencies
@@ -223,25 +225,15 @@ def _run_ns(pid: int) -> int:
 @dataclass
 class Switched:
     """One server measured two ways in windows of one unbroken load: each side's windows
-    pooled, and the paired windows' ratios (side 1 over side 0) of req/s and CPU per
-    request, whose medians shrug off a neighbour's burst that one window caught."""
+    pooled, and the paired windows' req/s ratios (side 1 over side 0), whose median shrugs
+    off a neighbour's burst that one window caught."""
 
     sides: tuple[Result, Result]
     rps_ratios: list[float]
-    cpu_ratios: list[float]
-
-    @staticmethod
-    def _median(xs: list[float]) -> float:
-        s = sorted(xs)
-        return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
 
     @property
     def rps_ratio(self) -> float:
-        return self._median(self.rps_ratios)
-
-    @property
-    def cpu_ratio(self) -> float:
-        return self._median(self.cpu_ratios)
+        return statistics.median(self.rps_ratios)
 
 
 async def _switched(port: int, pid: int, switch: Callable[[int], None], concurrency: int,
@@ -266,7 +258,7 @@ async def _switched(port: int, pid: int, switch: Callable[[int], None], concurre
 
     workers = asyncio.gather(*(worker(c) for c in conns))
     sides = (Result([], 0.0, 0, 0.0), Result([], 0.0, 0, 0.0))
-    per_window: list[tuple[int, float, float]] = []  # side, req/s, CPU s per request
+    per_window: list[tuple[int, float]] = []  # side, req/s
     try:
         switch(0)
         await asyncio.sleep(0.3)  # warm-up
@@ -293,10 +285,8 @@ async def _switched(port: int, pid: int, switch: Callable[[int], None], concurre
             acc.total += done
             acc.cpu_per_req = (acc.cpu_per_req or 0) + cpu
             if watch and cores is not None:
-                total, idle = _cpu_times(watch)
-                busy = 1 - (idle - cores[1]) / max(1, total - cores[0])
-                acc.busy = (acc.busy or 0) + busy * elapsed
-            per_window.append((side, done / elapsed, cpu / max(1, done)))
+                acc.busy = (acc.busy or 0) + _busy_since(watch, cores) * elapsed
+            per_window.append((side, done / elapsed))
     finally:
         stop = True
         await asyncio.wait_for(workers, 30)  # bounded: each worker ends after its request
@@ -307,12 +297,11 @@ async def _switched(port: int, pid: int, switch: Callable[[int], None], concurre
         acc.cpu_per_req = (acc.cpu_per_req or 0) / max(1, acc.total)
         if acc.busy is not None:
             acc.busy /= max(1e-9, acc.seconds)
-    rps, cpu = [], []
+    rps = []
     for a, b in zip(per_window[::2], per_window[1::2], strict=True):
         off, on = (a, b) if a[0] == 0 else (b, a)
         rps.append(on[1] / off[1])
-        cpu.append(on[2] / off[2])
-    return Switched(sides, rps, cpu)
+    return Switched(sides, rps)
 
 
 def compare_switched(port: int, pid: int, switch: Callable[[int], None], concurrency: int,

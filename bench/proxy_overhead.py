@@ -191,8 +191,9 @@ def main() -> None:
         _spawn(_proxy_args(x_port, p_port, b_port, d_port), proxy_cpus, logs / "proxy.log"),
     ]
     # Proxies side by side meet lean fakes (overhead_servers.run_lean_fake), and so does a
-    # proxy of this commit's, untraced and open, that each is held against: then the
-    # proxy's core is the limit, not the other cores (Result.busy shows how busy they were).
+    # proxy of this commit's, untraced and open, that the keyed and the older one are held
+    # against: then the proxy's core is the limit, not the other cores (Result.busy shows
+    # how busy they were). The traced proxy is held against itself, paused.
     lp_port, lb_port, ld_port, lx_port = (_free_port() for _ in range(4))
     lean: subprocess.Popen[bytes] | None = None
     if args.auth or args.tracing or args.compare_ref:
@@ -200,6 +201,7 @@ def main() -> None:
                          other_cpus, logs / "lean-p.log"),
                   _spawn([SERVERS, "--fake", str(ld_port), "0", "--lean"], other_cpus,
                          logs / "lean-d.log")]
+    if args.auth or args.compare_ref:
         lean = _spawn(_proxy_args(lx_port, lp_port, lb_port, ld_port), proxy_cpus,
                       logs / "lean-proxy.log")
         procs.append(lean)
@@ -252,9 +254,10 @@ def main() -> None:
         _wait_http(p_port, "/health")
         _wait_http(d_port, "/health")
         _wait_http(x_port, "/health")
-        if lean is not None:
+        if arms:
             _wait_http(lp_port, "/health")
             _wait_http(ld_port, "/health")
+        if lean is not None:
             _wait_http(lx_port, "/health")
         for arm in arms:
             _wait_http(arm.port, "/health")
@@ -272,8 +275,8 @@ def main() -> None:
                                           c, args.seconds, stream, args.rounds, other_cpus)
                 rows.append((stream, c, direct, proxied))
                 for arm in arms:
-                    assert lean is not None
                     if arm.switch is None:  # against the lean proxy, in slices
+                        assert lean is not None
                         against.append((arm, stream, c, *compare(
                             (lx_port, lean.pid), (arm.port, arm.proc.pid), c, args.seconds,
                             stream, args.rounds, other_cpus), None))

@@ -41,6 +41,14 @@ def _allowed(proxy: Proxy, request: web.Request) -> bool:
         return False
 
 
+def _refused(proxy: Proxy, request: web.Request) -> web.Response | None:
+    """401 for a caller without the node's key; None for one with it."""
+    if _allowed(proxy, request):
+        return None
+    return json_error(401, "the admin API needs the node's key (keys/api-key)",
+                      headers={"WWW-Authenticate": "Bearer"})
+
+
 def _nodes(proxy: Proxy) -> list[dict[str, Any]]:
     return [{"role": b.role, "url": b.url, "draining": b.draining, "in_flight": b.in_flight}
             for b in proxy.backends.all()]
@@ -51,47 +59,48 @@ class TracingChange(msgspec.Struct, forbid_unknown_fields=True):
     enabled: bool | None = None
 
 
-_UNAUTHORIZED = "the admin API needs the node's key (keys/api-key)"
-
-
 def tracing_routes(proxy: Proxy) -> list[web.RouteDef]:
-    async def show(request: web.Request) -> web.Response:
-        if not _allowed(proxy, request):
-            return json_error(401, _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+    def refused(request: web.Request) -> web.Response | None:
+        if (answer := _refused(proxy, request)) is not None:
+            return answer
         if proxy.tracing is None:
             return json_error(409, "tracing is off: no OTLP endpoint is set (the host "
                                    "config's [tracing] otlp_endpoint, the proxy's "
                                    "--otlp-traces-endpoint)")
+        return None
+
+    async def show(request: web.Request) -> web.Response:
+        if (answer := refused(request)) is not None:
+            return answer
+        assert proxy.tracing is not None
         return web.json_response(proxy.tracing.state())
 
     async def change(request: web.Request) -> web.Response:
-        answer = await show(request)
-        if answer.status != 200:
+        if (answer := refused(request)) is not None:
             return answer
-        assert proxy.tracing is not None
+        tracing = proxy.tracing
+        assert tracing is not None
         try:
             body = msgspec.json.decode(await request.read(), type=TracingChange)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return json_error(400, f'expected {{"sample_ratio": 0 to 1, "enabled": true | '
                                    f'false}}: {exc}')
-        before = proxy.tracing.state()
+        was = tracing.enabled, tracing.sample_ratio
         if body.sample_ratio is not None:
-            proxy.tracing.sample_ratio = body.sample_ratio
+            tracing.sample_ratio = body.sample_ratio
         if body.enabled is not None:
-            proxy.tracing.enabled = body.enabled
-        after = proxy.tracing.state()
+            tracing.enabled = body.enabled
         log.warning("tracing changed through the admin API: enabled %s -> %s, sample ratio "
-                    "%g -> %g", before["enabled"], after["enabled"], before["sample_ratio"],
-                    after["sample_ratio"])
-        return web.json_response(after)
+                    "%g -> %g", was[0], tracing.enabled, was[1], tracing.sample_ratio)
+        return web.json_response(tracing.state())
 
     return [web.get("/admin/tracing", show), web.put("/admin/tracing", change)]
 
 
 def routes(proxy: Proxy) -> list[web.RouteDef]:
     async def change(request: web.Request, draining: bool) -> web.Response:
-        if not _allowed(proxy, request):
-            return json_error(401, _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+        if (answer := _refused(proxy, request)) is not None:
+            return answer
         try:
             body = msgspec.json.decode(await request.read())
             node = body["node"]
@@ -114,8 +123,8 @@ def routes(proxy: Proxy) -> list[web.RouteDef]:
         return await change(request, False)
 
     async def show(request: web.Request) -> web.Response:
-        if not _allowed(proxy, request):
-            return json_error(401, _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+        if (answer := _refused(proxy, request)) is not None:
+            return answer
         return web.json_response({"nodes": _nodes(proxy), "in_flight": proxy.in_flight})
 
     return [web.post("/admin/drain", drain), web.post("/admin/undrain", undrain),

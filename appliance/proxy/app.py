@@ -229,7 +229,7 @@ class Proxy:
             rec = Record(route, given, time.monotonic())
         else:  # absent, or not safe to send upstream verbatim
             rec = Record(route, uuid4_str(), time.monotonic(), own_request_id=True)
-        if self.tracing is not None and self.tracing.enabled:
+        if self.tracing is not None:
             rec.trace = self.tracing.begin()
         self.in_flight += 1
         try:

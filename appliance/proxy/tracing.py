@@ -78,7 +78,10 @@ class Tracing:
     async def close(self) -> None:
         await self.export.close()  # what is queued is sent
 
-    def begin(self) -> RequestTrace | Unsampled:
+    def begin(self) -> RequestTrace | Unsampled | None:
+        """A request's trace; None while tracing is paused."""
+        if not self.enabled:
+            return None
         if self.sample_ratio < 1.0 and random.random() >= self.sample_ratio:
             return Unsampled()
         return RequestTrace(self.export)
