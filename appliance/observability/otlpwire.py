@@ -77,19 +77,29 @@ class Key:
     """An attribute key written once, for the values written per span (the hot path:
     fewer calls than attr())."""
 
-    __slots__ = ("_head",)
+    __slots__ = ("_head", "_heads")
 
     def __init__(self, key: str) -> None:
         self._head = field(_KV_KEY, key.encode()) + _SMALL[_KV_VALUE]
+        self._heads: dict[int, bytes] = {}  # a string value's length: what goes before it
 
     def str(self, value: str) -> bytes:
         v = value.encode()
-        n = len(v)
-        any_value = _SMALL[_ANY_STRING] + (_SMALL[n] if n < 0x80 else varint(n)) + v
-        n = len(any_value)
-        kv = self._head + (_SMALL[n] if n < 0x80 else varint(n)) + any_value
-        n = len(kv)
-        return _SMALL[_SPAN_ATTRIBUTE] + (_SMALL[n] if n < 0x80 else varint(n)) + kv
+        head = self._heads.get(len(v))
+        if head is None:
+            head = self._string_head(len(v))
+        return head + v
+
+    def _string_head(self, n: int) -> bytes:
+        """The attribute's bytes before a string value `n` bytes long (its frames' lengths
+        are the value's plus constants, so one head serves every value of that length)."""
+        any_head = _SMALL[_ANY_STRING] + varint(n)
+        kv_head = self._head + varint(len(any_head) + n)
+        head = _SMALL[_SPAN_ATTRIBUTE] + varint(len(kv_head) + len(any_head) + n) + kv_head \
+            + any_head
+        if len(self._heads) < 1024:  # ids of a few lengths; any other is written each time
+            self._heads[n] = head
+        return head
 
     def int(self, value: int) -> bytes:
         any_value = _SMALL[_ANY_INT] + varint(value if value >= 0 else value + (1 << 64))

@@ -4,7 +4,7 @@ vLLM's and the connector's spans join the trace (appliance.observability.tracing
 
 A request records only ids, clock readings and a few of its record's fields as it goes;
 another process (appliance.observability.exportproc) writes them as OTLP spans
-(appliance.observability.otlpwire, SpanWriter here) and sends them. The proxy's one core is
+(appliance.proxy.spanwriter) and sends them. The proxy's one core is
 its whole data path: the SDK's span objects and encoder took half of its rate at
 concurrency 64, and writing and sending the spans' bytes in its own loop still a tenth
 (bench/proxy_overhead.py --tracing)."""
@@ -16,22 +16,17 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
-from appliance.observability import otlpwire as wire
 from appliance.observability.exportproc import ExportProcess
 
 if TYPE_CHECKING:
     from appliance.proxy.record import Record
 
-_REQUEST = wire.name_kind("pd.request", wire.KIND_SERVER)
-_REQUEST_ID, _TRANSFER_ID = wire.Key("pd.request_id"), wire.Key("pd.transfer_id")
-_OUTPUT, _PROMPT = wire.Key("pd.output_tokens"), wire.Key("pd.prompt_tokens")
-# Attributes with few values (nodes, routes, paths, statuses), written once each.
-_CACHE_MAX = 4096
 # A request's calls that get spans (their span ids' last hex digit is 1 to 15).
 _DIGITS = "0123456789abcdef"
 MAX_CALLS = 15
-_BYTES = [bytes((i,)) for i in range(256)]  # a call's span id's last byte
-_CALL = 5  # a call's fields in RequestTrace's calls: role, node, transfer id, start, end
+# A call's fields in RequestTrace's calls (role, node, transfer id, start, end), as
+# appliance.proxy.spanwriter reads them.
+CALL_FIELDS = 5
 _monotonic_ns = time.monotonic_ns
 _STEM_ZERO = "0" * 15
 
@@ -62,7 +57,7 @@ class Tracing:
 
     def __init__(self, endpoint: str, protocol: str, sample_ratio: float = 1.0) -> None:
         self.endpoint, self.protocol = endpoint, protocol
-        self.export = ExportProcess(endpoint, protocol, f"{__name__}:SpanWriter")
+        self.export = ExportProcess(endpoint, protocol, "appliance.proxy.spanwriter:SpanWriter")
         self.sample_ratio = sample_ratio
         # Paused (PUT /admin/tracing): requests go as if no endpoint were set, no context
         # sent; the exporter stays up, so resuming costs nothing.
@@ -85,88 +80,6 @@ class Tracing:
         if self.sample_ratio < 1.0 and random.random() >= self.sample_ratio:
             return Unsampled()
         return RequestTrace(self.export)
-
-
-class SpanWriter:
-    """A request's record (RequestTrace.finish; its fields as `encode` unpacks them) as
-    OTLP spans: the exporter process's writer. Records cross the pipe as msgpack, so
-    tuples arrive as lists; the trace id and the span ids' stem travel as the calls'
-    traceparent prefix ("00-<trace id>-<stem>"), clock readings as numbers."""
-
-    resource = {"service.name": "pd-proxy"}
-    scope = "appliance.proxy"
-
-    @staticmethod
-    def spans(raw: Any) -> int:
-        return 1 + len(raw[-1]) // _CALL  # the request's, and one per call
-
-    def __init__(self) -> None:
-        # What a span writes the same for many requests, written once: a call's name and
-        # node; the request's name, route, status, path and split decision.
-        self._fixed: dict[tuple[Any, ...], bytes] = {}
-
-    def _fixed_call(self, role: str, url: str) -> bytes:
-        out = self._fixed.get((role, url))
-        if out is None:
-            out = self._remember((role, url), wire.name_kind(f"pd.{role}", wire.KIND_CLIENT)
-                                 + wire.attr("pd.node", url))
-        return out
-
-    def _fixed_request(self, route: str, status: int, path: str, where: str | None,
-                       reason: str | None) -> bytes:
-        key = (route, status, path, where, reason)
-        out = self._fixed.get(key)
-        if out is None:
-            split = b"" if where is None else wire.attr("pd.split", f"{where}:{reason}")
-            out = self._remember(key, b"".join((
-                _REQUEST, wire.attr("http.route", route), wire.attr("http.status_code", status),
-                wire.attr("pd.path", path), split)))
-        return out
-
-    def _remember(self, key: tuple[Any, ...], value: bytes) -> bytes:
-        if len(self._fixed) >= _CACHE_MAX:
-            self._fixed.clear()
-        self._fixed[key] = value
-        return value
-
-    def encode(self, raw: Any) -> bytes:
-        """A request's spans: its own, then one per call, children of it. Unpacked by
-        position: this runs for every request traced (13.5 µs of CPU per span in the
-        exporter under bench/proxy_overhead.py's load, with a span written field by field).
-        Clock readings arrive monotonic (the request's start in seconds, the rest in ns;
-        the monotonic clock is the host's, so this process's offset makes them the
-        epoch's); span ids arrive as their traceparent's hex (RequestTrace)."""
-        (parent, started, end_ns, request_id, route, status, path, transfer_id,
-         output, prompt, where, reason, fallback, error, calls) = raw
-        wall = time.time_ns() - _monotonic_ns()
-        trace_id = bytes.fromhex(parent[3:35])
-        span_id = bytes.fromhex(parent[36:] + "0")
-        stem, low = span_id[:7], span_id[7]  # a call's span id: its index + 1 in low's digit
-        rid = _REQUEST_ID.str(request_id)
-        xfer = _TRANSFER_ID.str(transfer_id) if transfer_id else b""
-        child_head, framed = wire.child_head, wire.framed
-        out = []
-        for at in range(0, len(calls), _CALL):
-            role, url, call_xfer, call_start, call_end = calls[at:at + _CALL]
-            if call_xfer != transfer_id:  # a call made before the transfer was named
-                call_xfer = _TRANSFER_ID.str(call_xfer) if call_xfer else b""
-            else:
-                call_xfer = xfer
-            out.append(framed(b"".join((
-                child_head(trace_id, stem + _BYTES[low | (at // _CALL + 1)], span_id,
-                           call_start + wall, (call_end or end_ns) + wall),
-                self._fixed_call(role, url), rid, call_xfer))))
-        parts = [wire.root_head(trace_id, span_id, round(started * 1e9) + wall, end_ns + wall),
-                 self._fixed_request(route, status, path, where, reason), rid, xfer,
-                 _OUTPUT.int(output)]
-        if fallback:
-            parts.append(wire.attr("pd.fallback", fallback))
-        if prompt:
-            parts.append(_PROMPT.int(prompt))
-        if error is not None:
-            parts.append(wire.error_status(error))
-        out.append(framed(b"".join(parts)))
-        return b"".join(out)
 
 
 class Unsampled:
@@ -200,7 +113,7 @@ class RequestTrace:
     One random number names it all: the trace id, and a 60-bit stem of the span ids whose
     last hex digit is 0 for the request's own span and the call's index + 1 for a call's
     (unique within the trace, which is all a span id needs; vLLM's spans bring their own).
-    The calls' fields lie in one flat list (_CALL each): a list per call cost an object
+    The calls' fields lie in one flat list (CALL_FIELDS each): a list per call cost an object
     more per call."""
 
     __slots__ = ("_add", "_parent", "_calls")
@@ -221,13 +134,13 @@ class RequestTrace:
         now = _monotonic_ns()
         n = len(calls)
         if n:
-            for i in range(0, n, _CALL):
+            for i in range(0, n, CALL_FIELDS):
                 if calls[i] == role and not calls[i + 4]:
                     calls[i + 4] = now
-            if n >= MAX_CALLS * _CALL:  # retried past reason: vLLM's span joins the request's
+            if n >= MAX_CALLS * CALL_FIELDS:  # retried past reason: vLLM's span joins the request's
                 headers["traceparent"] = f"{self._parent}0-01"
                 return
-        headers["traceparent"] = f"{self._parent}{_DIGITS[n // _CALL + 1]}-01"
+        headers["traceparent"] = f"{self._parent}{_DIGITS[n // CALL_FIELDS + 1]}-01"
         calls += (role, url, rec.transfer_id, now, 0)
 
     def finish(self, rec: Record) -> None:
@@ -236,14 +149,14 @@ class RequestTrace:
         answered = rec.prefilled_at
         if answered is not None:
             answered_ns = round(answered * 1e9)
-            for i in range(0, len(calls), _CALL):
+            for i in range(0, len(calls), CALL_FIELDS):
                 if calls[i] == "prefill" and not calls[i + 4] and calls[i + 3] <= answered_ns:
                     calls[i + 4] = answered_ns
         placed = rec.placed
         error = (rec.error or str(rec.status)) if rec.status >= 500 or rec.error else None
-        self._add((  # as SpanWriter.encode unpacks it
+        self._add((  # as appliance.proxy.spanwriter.SpanWriter.encode unpacks it
             self._parent, rec.started, now, rec.request_id, rec.route,
             rec.status, rec.path, rec.transfer_id, rec.usage_output or rec.tokens_out,
             rec.usage_prompt or rec.prompt_tokens or 0,
             None if placed is None else placed.where, None if placed is None else placed.reason,
-            rec.fallback, error, calls), 1 + len(calls) // _CALL)
+            rec.fallback, error, calls), 1 + len(calls) // CALL_FIELDS)

@@ -186,7 +186,7 @@ async def test_records_the_exporter_does_not_read_are_dropped_and_counted() -> N
     """A pipe holding MAX_UNREAD bytes unread: the proxy writes no more and counts the spans
     dropped, holding nothing for the exporter."""
     export = exportproc.ExportProcess("http://127.0.0.1:1/v1/traces", "http/protobuf",
-                                      "appliance.proxy.tracing:SpanWriter")
+                                      "appliance.proxy.spanwriter:SpanWriter")
     written: list[bytes] = []
     unread = [0]
     pipe = SimpleNamespace(is_closing=lambda: False, write=written.append,
@@ -205,7 +205,7 @@ async def test_records_the_exporter_does_not_read_are_dropped_and_counted() -> N
 async def test_closing_with_no_exporter_drops_the_last_records_and_starts_none(
         monkeypatch) -> None:
     export = exportproc.ExportProcess("http://127.0.0.1:1/v1/traces", "http/protobuf",
-                                      "appliance.proxy.tracing:SpanWriter")
+                                      "appliance.proxy.spanwriter:SpanWriter")
 
     async def spawn() -> None:
         raise AssertionError("an exporter started while closing")
@@ -224,7 +224,8 @@ async def test_span_ids_are_unique_in_a_trace_and_a_call_past_the_cap_joins_the_
     from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 
     from appliance.proxy.record import Record
-    from appliance.proxy.tracing import MAX_CALLS, RequestTrace, SpanWriter
+    from appliance.proxy.spanwriter import SpanWriter
+    from appliance.proxy.tracing import MAX_CALLS, RequestTrace
 
     records: list[tuple] = []
     export = SimpleNamespace(add=lambda record, n: records.append((record, n)))
