@@ -121,9 +121,10 @@ class RequestTrace:
     def __init__(self, export: ExportProcess) -> None:
         self._add = export.add
         trace = _hex(32)
-        if trace[17:] == _STEM_ZERO:  # the request's span id would be all zeros
-            trace = trace[:31] + "1"
-        self._parent = f"00-{trace}-{trace[17:]}"  # a call's digit, then "-01", follows
+        stem = trace[17:]
+        if stem == _STEM_ZERO:  # the request's span id would be all zeros
+            trace, stem = trace[:31] + "1", stem[:14] + "1"
+        self._parent = f"00-{trace}-{stem}"  # a call's digit, then "-01", follows
         # Role, node, transfer id, start and end (monotonic ns; 0 while it runs) of each.
         self._calls: list[Any] = []
 

@@ -253,6 +253,20 @@ async def test_span_ids_are_unique_in_a_trace_and_a_call_past_the_cap_joins_the_
     assert abs(root.end_time_unix_nano - time.time_ns()) < 5e9
 
 
+def test_a_random_stem_of_zeros_is_made_nonzero_as_w3c_asks(monkeypatch) -> None:
+    """A trace id whose last 15 hex digits are zeros would give the request's span the one
+    span id W3C rules out: its last digit becomes 1, in the trace id and the stem alike."""
+    from appliance.proxy import tracing
+
+    monkeypatch.setattr(tracing, "_hex", lambda n: "a" * 17 + "0" * 15)
+    records: list[tuple] = []
+    trace = tracing.RequestTrace(SimpleNamespace(add=lambda r, n: records.append(r)))  # type: ignore[arg-type]
+    headers: dict[str, str] = {}
+    trace.call("prefill", "http://p", SimpleNamespace(transfer_id="x"), headers)  # type: ignore[arg-type]
+    assert headers["traceparent"] == f"00-{'a' * 17}{'0' * 14}1-{'0' * 14}11-01"
+    assert trace_id_of(headers["traceparent"]) == "a" * 17 + "0" * 14 + "1"
+
+
 def test_a_frame_is_one_msgpack_array_of_records_encoded_as_they_came() -> None:
     """The proxy encodes each record as its request ends and writes the array's header when
     the frame goes: what the exporter decodes is the list of records, at every header size."""
