@@ -7,7 +7,7 @@ and is not kept: held for a frame and encoded with it, the records made tracing 
 proxy 8-12% of its CPU per request under sustained load at concurrency 64, against 0-6%
 (bench/proxy_overhead.py --tracing's setup, 3 s slices).
 The exporter process writes them as OTLP spans with the writer it is named (for the proxy,
-appliance.proxy.tracing.SpanWriter), sends them in batches (otlpexport), and reports back
+appliance.proxy.spanwriter.SpanWriter), sends them in batches (otlpexport), and reports back
 on its stdout how many it exported or dropped. Writing and sending the spans in the proxy's
 own loop cost its one core a tenth to a fifth of its rate at concurrency 64 (gRPC, the
 default, the most); a pipe write per frame costs it almost nothing, and a slow collector,
