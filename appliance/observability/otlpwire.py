@@ -114,20 +114,23 @@ def name_kind(name: str, kind: int) -> bytes:
 
 
 # A span's ids and times in one pack (fields 1, 2, 4, 7, 8; protobuf takes fields in any
-# order, so the rest of a span may follow): a child's, and a root's with no parent.
-_CHILD_HEAD = struct.Struct("<2s16s2s8s2s8sBQBQ")
-_ROOT_HEAD = struct.Struct("<2s16s2s8sBQBQ")
+# order, so the rest of a span may follow), packed with the tags below: a child's, its span
+# id as a 7-byte stem and a last byte (a request's calls share the stem), and a root's.
+CHILD_HEAD = struct.Struct("<2s16s2s7sB2s8sBQBQ")
+ROOT_HEAD = struct.Struct("<2s16s2s8sBQBQ")
+TRACE_ID_TAG, SPAN_ID_TAG, PARENT_TAG = _SPAN_TRACE_ID, _SPAN_ID, _SPAN_PARENT
+START_TAG, END_TAG = 0x39, 0x41
 
 
 def child_head(trace_id: bytes, span_id: bytes, parent_id: bytes, start_ns: int,
                end_ns: int) -> bytes:
-    return _CHILD_HEAD.pack(_SPAN_TRACE_ID, trace_id, _SPAN_ID, span_id, _SPAN_PARENT,
-                            parent_id, 0x39, start_ns, 0x41, end_ns)
+    return CHILD_HEAD.pack(TRACE_ID_TAG, trace_id, SPAN_ID_TAG, span_id[:7], span_id[7],
+                           PARENT_TAG, parent_id, START_TAG, start_ns, END_TAG, end_ns)
 
 
 def root_head(trace_id: bytes, span_id: bytes, start_ns: int, end_ns: int) -> bytes:
-    return _ROOT_HEAD.pack(_SPAN_TRACE_ID, trace_id, _SPAN_ID, span_id, 0x39, start_ns,
-                           0x41, end_ns)
+    return ROOT_HEAD.pack(TRACE_ID_TAG, trace_id, SPAN_ID_TAG, span_id, START_TAG, start_ns,
+                          END_TAG, end_ns)
 
 
 def error_status(message: str) -> bytes:
@@ -135,11 +138,16 @@ def error_status(message: str) -> bytes:
     return field(_SPAN_STATUS, field(_STATUS_MESSAGE, message.encode()) + _STATUS_CODE_ERROR)
 
 
+def span_frame(n: int) -> bytes:
+    """What goes before a span's `n` bytes of fields to make it an entry of
+    ScopeSpans.spans."""
+    return _SMALL[_SCOPE_SPANS_SPAN] + varint(n)
+
+
 def framed(body: bytes) -> bytes:
     """A span's fields (a head, then name_kind(), attributes...) as an entry of
     ScopeSpans.spans."""
-    n = len(body)
-    return b"".join((_SMALL[_SCOPE_SPANS_SPAN], _SMALL[n] if n < 0x80 else varint(n), body))
+    return span_frame(len(body)) + body
 
 
 def span(trace_id: bytes, span_id: bytes, parent_id: bytes | None, named: bytes,

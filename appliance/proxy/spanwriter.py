@@ -12,7 +12,6 @@ times the CPU (bench/span_encode.py), and written span by span with otlpwire's h
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import Any
 
@@ -23,13 +22,10 @@ _REQUEST = wire.name_kind("pd.request", wire.KIND_SERVER)
 _REQUEST_ID, _TRANSFER_ID = wire.Key("pd.request_id"), wire.Key("pd.transfer_id")
 _OUTPUT, _PROMPT = wire.Key("pd.output_tokens"), wire.Key("pd.prompt_tokens")
 _CACHE_MAX = 4096  # entries of a cache of values (nodes, routes, token counts) at most
-# A span's head: trace id, span id (a stem and its last byte), parent's span id (a call's
-# only), start and end (fixed64): protobuf takes fields in any order, the rest follows.
-_CHILD_HEAD = struct.Struct("<2s16s2s7sB2s8sBQBQ")
-_ROOT_HEAD = struct.Struct("<2s16s2s8sBQBQ")
-_TRACE_TAG, _ID_TAG, _PARENT_TAG = b"\x0a\x10", b"\x12\x08", b"\x22\x08"
-_START_TAG, _END_TAG = 0x39, 0x41
-_SPAN_TAG = b"\x12"  # ScopeSpans.spans, a span's frame
+# otlpwire's span heads and tags, bound here: read for every span.
+_CHILD_HEAD, _ROOT_HEAD = wire.CHILD_HEAD, wire.ROOT_HEAD
+_TRACE_TAG, _ID_TAG, _PARENT_TAG = wire.TRACE_ID_TAG, wire.SPAN_ID_TAG, wire.PARENT_TAG
+_START_TAG, _END_TAG = wire.START_TAG, wire.END_TAG
 _FRAMED = 1 << 14  # spans shorter than this have their frame looked up
 
 
@@ -53,7 +49,7 @@ class SpanWriter:
         self._requests: dict[tuple[Any, ...], bytes] = {}  # the request's shared fields
         self._counts: dict[tuple[wire.Key, int], bytes] = {}  # token count attributes
         # A span's frame (its tag and length) for each length under _FRAMED.
-        self._frames = [_SPAN_TAG + wire.varint(n) for n in range(_FRAMED)]
+        self._frames = [wire.span_frame(n) for n in range(_FRAMED)]
 
     def _call(self, role: str, url: str) -> bytes:
         out = wire.name_kind(f"pd.{role}", wire.KIND_CLIENT) + wire.attr("pd.node", url)
@@ -90,7 +86,7 @@ class SpanWriter:
             tail = ids if call_xfer == transfer_id else (  # a call before the transfer's name
                 rid + _TRANSFER_ID.str(call_xfer) if call_xfer else rid)
             n = _CHILD_HEAD.size + len(fixed) + len(tail)
-            out += (frames[n] if n < _FRAMED else _SPAN_TAG + wire.varint(n),
+            out += (frames[n] if n < _FRAMED else wire.span_frame(n),
                     pack(_TRACE_TAG, trace_id, _ID_TAG, stem, low | i, _PARENT_TAG, span_id,
                          _START_TAG, start + wall, _END_TAG, (end or end_ns) + wall),
                     fixed, tail)
@@ -104,7 +100,7 @@ class SpanWriter:
         if error is not None:
             extra += wire.error_status(error)
         n = _ROOT_HEAD.size + len(fixed) + len(ids) + len(extra)
-        out += (frames[n] if n < _FRAMED else _SPAN_TAG + wire.varint(n),
+        out += (frames[n] if n < _FRAMED else wire.span_frame(n),
                 _ROOT_HEAD.pack(_TRACE_TAG, trace_id, _ID_TAG, span_id, _START_TAG,
                                 round(started * 1e9) + wall, _END_TAG, end_ns + wall),
                 fixed, ids, extra)
