@@ -12,7 +12,6 @@ request or grows without bound. Both are counted (`counts`: the proxy's pd_proxy
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import logging
 import os
@@ -91,6 +90,7 @@ class SpanExport:
         self._task: asyncio.Task[None] | None = None
         self._send: Any = None  # async (body) -> None; raises on failure
         self._close: Any = None
+        self._closing = False
         self._warned = -_WARN_EVERY_S
 
     def add(self, spans: Any, n: int) -> None:
@@ -116,15 +116,20 @@ class SpanExport:
         self._task = asyncio.create_task(self._run(), name="otlp-export")
 
     async def _run(self) -> None:
+        """Sends until closed, then sends the rest. It stops at a flag, not by being
+        cancelled: Python 3.11's wait_for loses a cancel that meets its wait's end (the
+        sender then ran on and its process never exited), and a cancelled send lost its
+        batch uncounted."""
         assert self._wake is not None
-        while True:
-            try:  # a full batch wakes it; else the schedule sends what there is
+        while not self._closing:
+            try:  # a full batch wakes it, or close; else the schedule sends what there is
                 await asyncio.wait_for(self._wake.wait(), self.delay_s)
-                full_only = True
+                full_only = not self._closing
             except asyncio.TimeoutError:
                 full_only = False
             self._wake.clear()
             await self.flush(full_only)
+        await self.flush()
 
     async def flush(self, full_only: bool = False) -> None:
         """Send what is queued, a batch at a time (`full_only`: whole batches only, so that
@@ -139,10 +144,12 @@ class SpanExport:
             self._queued -= n
             body = otlpwire.request(self.resource, self.scope,
                                     [self.encode(raw) for raw, _ in batch])
-            if await self._deliver(body):
-                self.counts["exported"] += n
-            else:
+            try:
+                sent = await self._deliver(body)
+            except asyncio.CancelledError:
                 self.counts["dropped"] += n
+                raise
+            self.counts["exported" if sent else "dropped"] += n
 
     async def _deliver(self, body: bytes) -> bool:
         """One batch to the collector, tried twice (a collector restarting, a 503)."""
@@ -162,17 +169,19 @@ class SpanExport:
         return False
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the task and send what is queued (waiting at most `timeout_s`)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Send what is queued (waiting at most `timeout_s`; what is left then is counted
+        dropped), and stop."""
+        self._closing = True
+        task, self._task = self._task, None
+        if task is not None and self._wake is not None:
+            self._wake.set()
+            await asyncio.wait({task}, timeout=timeout_s)
+            if not task.done():  # a send that hangs: its batch is counted as it ends
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
+        self.counts["dropped"] += self._queued
+        self._entries, self._queued = [], 0
         if self._send is not None:
-            try:
-                await asyncio.wait_for(self.flush(), timeout_s)
-            except asyncio.TimeoutError:
-                self.counts["dropped"] += self._queued
             await self._close()
             self._send = None
 

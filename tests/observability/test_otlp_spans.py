@@ -126,3 +126,20 @@ def test_settings_that_are_not_numbers_are_named_and_the_defaults_taken(caplog) 
     for name in ("OTEL_BSP_SCHEDULE_DELAY='soon'", "OTEL_BSP_MAX_QUEUE_SIZE='-5'",
                  "OTEL_EXPORTER_OTLP_TIMEOUT='0'"):
         assert name in warned
+
+
+@pytest.mark.parametrize("turns", range(6))
+async def test_close_ends_the_sender_however_a_wake_and_the_close_meet(turns) -> None:
+    """A close that lands as a full batch wakes the sender (any number of loop turns after)
+    still ends it: Python 3.11's wait_for loses a cancel that meets its inner wait's end,
+    and a sender stopped by cancelling alone ran on, and its process never exited."""
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "60000", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1"}
+    with Collector() as r:
+        export = SpanExport(r.url, "http/protobuf", {"service.name": "x"}, "t", env)
+        export.start()
+        await asyncio.sleep(0.05)
+        export.add(_one(), 1)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        await asyncio.wait_for(export.close(), 5)
+    assert export.counts == {"exported": 1, "dropped": 0} and len(r.spans) == 1
