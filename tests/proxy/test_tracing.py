@@ -14,7 +14,7 @@ import pytest
 
 from appliance.observability import exportproc
 from tests.otlp import Collector, GrpcCollector, span_id_of, trace_id_of
-from tests.proxy.conftest import MakeCluster
+from tests.proxy.conftest import MakeCluster, until
 
 STREAM = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
 
@@ -162,8 +162,9 @@ async def test_an_exporter_that_dies_costs_spans_not_requests_and_is_started_aga
     c = await make_cluster(otlp_traces_endpoint=collector.url,
                            otlp_traces_protocol="http/protobuf")
     first = _exporter(c)
-    first.kill()
-    first.wait(5)
+    export = c.proxy.proxy.tracing.export
+    first.kill()  # the proxy reaps its own child (a wait here would take that from it)
+    await until(lambda: export._proc is None)
     status, _, _ = await c.post()  # recorded while no exporter runs: dropped, counted
     assert status == 200
     await _metrics_until(c, 'pd_proxy_trace_spans_total{outcome="dropped"} 3.0')
@@ -171,7 +172,6 @@ async def test_an_exporter_that_dies_costs_spans_not_requests_and_is_started_aga
     while True:  # the next request's record finds it gone for long enough: a new one
         status, _, _ = await c.post()
         assert status == 200
-        export = c.proxy.proxy.tracing.export
         if export._proc is not None and export._proc.pid != first.pid:
             break
         assert time.monotonic() < deadline, "the exporter was not started again"
