@@ -35,8 +35,6 @@ from typing import Any
 
 import msgspec
 
-from appliance import eventloop
-
 log = logging.getLogger("appliance.observability.exportproc")
 
 FRAME = struct.Struct("<I")  # a frame's length, then that many bytes: a msgpack array
@@ -222,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     # ends when the proxy does, as its pipe closes, once it has sent what the proxy gave it.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    eventloop.run(_serve(*args))
+    asyncio.run(_serve(*args))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from aiohttp import web
 from pydantic import ValidationError
 
-from appliance.eventloop import new_event_loop
 from appliance.proxy.server import build_app
 from appliance.proxy.settings import load_settings
 
@@ -80,7 +79,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     app.on_startup.append(_settle_heap)  # after the proxy's own start (the tokenizer)
     web.run_app(app, host=settings.host, port=settings.port, print=None,
                 access_log=None, handler_cancellation=True, ssl_context=tls,
-                loop=new_event_loop(),
                 # on_shutdown waits drain_grace_s itself (appliance.proxy.admin); past it
                 # every request left has been ended with an error.
                 shutdown_timeout=5.0)

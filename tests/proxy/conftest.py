@@ -12,7 +12,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from appliance.eventloop import new_event_loop
 from appliance.proxy import ProxySettings, RunningProxy, serve
 from tests.proxy.fakes import FakeBootstrap, FakeVLLM
 
@@ -33,11 +32,6 @@ FAST = {
     # (test_placement.py).
     "split": "always",
 }
-
-
-def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
-    """These tests run the proxy on the loop `python -m appliance.proxy` runs it on."""
-    return {"appliance": new_event_loop}
 
 
 async def until(check: Callable[[], Awaitable[bool] | bool], timeout: float = 5.0) -> None:
