@@ -114,6 +114,10 @@ def test_host_with_two_p_one_d_and_the_proxy(cluster, pdctl):
         assert flag(s[f"bootstrap-{n}"]["command"], "--port") == str(8998 + n)
         assert list(p["depends_on"]) == [f"bootstrap-{n}"]
         assert p["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [str(n)]
+        # each instance's preflight and Mooncake get the role's NICs
+        assert p["environment"]["PD_RDMA_DEVICE"] == "mlx5_0"
+        assert extra["kv_connector_extra_config"]["device_name"] == "mlx5_0"
+    assert s["decode-0"]["environment"]["PD_RDMA_DEVICE"] == "mlx5_0"
     d = kv_config(s["decode-0"]["command"])
     settings = ConnectorSettings(engine_id=d["engine_id"], role="consumer",
                                  allowed_bootstrap_addrs=d["kv_connector_extra_config"][

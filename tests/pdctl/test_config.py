@@ -37,7 +37,9 @@ def test_good_config_passes(pdctl, write_config):
 
 def test_example_config_parses():
     cfg = load_config(ROOT / "config" / "host.example.toml")
-    assert cfg.transfer.protocol == "rdma" and cfg.transfer.device == "mlx5_0"
+    assert cfg.transfer.protocol == "rdma" and cfg.transfer.gpudirect == "auto"
+    assert (cfg.transfer.devices("prefill"), cfg.transfer.devices("decode")) == \
+        (["mlx5_0"], ["mlx5_1"])
     assert (cfg.gpus.prefill, cfg.gpus.decode) == ([0], [1])
     assert cfg.ports.model_dump() == {"proxy": 8000, "prefill": 8010, "decode": 8020,
                                       "bootstrap": 8998}
@@ -70,8 +72,12 @@ BAD = [
      "transfer.device: unknown RDMA device 'mlx5_9' (this host has: mlx5_0)"),
     ("transfer", "device", '""', "transfer.device: required when transfer.protocol is rdma"),
     ("transfer", "device", '"mlx5 0"', "transfer.device: 'mlx5 0' is not an RDMA device name"),
+    ("transfer", "device", '"mlx5_0,mlx5_0"', "transfer.device: mlx5_0 is listed twice"),
+    ("transfer", "prefill_devices", '["mlx5_0", "x y"]',
+     "transfer.prefill_devices: 'x y' is not an RDMA device name"),
     ("transfer", "protocol", '"ib"', "transfer.protocol: Input should be 'rdma' or 'tcp'"),
-    ("transfer", "gpudirect", '"magic"', "transfer.gpudirect: Input should be 'peermem' or"),
+    ("transfer", "gpudirect", '"magic"',
+     "transfer.gpudirect: Input should be 'auto', 'peermem' or"),
     ("host", "ip", '"10.0.0.300"', "host.ip: '10.0.0.300' is not an IP address"),
     ("host", "ip", '"0.0.0.0"', "host.ip: must be the address peers reach this host at"),
     ("host", "name", '"bad name"', "host.name: must be letters, digits"),

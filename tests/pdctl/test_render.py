@@ -394,3 +394,20 @@ def test_p_and_d_of_different_tp(render, runner):
     s = resolved(render(toml))["services"]
     assert flag(s["prefill"]["command"], "--tensor-parallel-size") == "2"
     assert flag(s["decode"]["command"], "--tensor-parallel-size") == "1"
+
+
+def test_each_role_gets_its_own_nics_and_gpudirect_auto(render):
+    """P's and D's NICs reach their own preflight and Mooncake's device_name; GPUDirect is
+    left to the preflight (auto) unless the config names a path."""
+    toml = GOOD_TOML.replace('device = "mlx5_0"\n',
+                             'prefill_devices = ["mlx5_0", "mlx5_2"]\n'
+                             'decode_devices = ["mlx5_10"]\n')
+    services = resolved(render(toml))["services"]
+    for role, nics in (("prefill", "mlx5_0,mlx5_2"), ("decode", "mlx5_10")):
+        env = services[role]["environment"]
+        assert (env["PD_RDMA_DEVICE"], env["PD_GPUDIRECT"]) == (nics, "auto")
+        extra = kv_config(services[role]["command"])["kv_connector_extra_config"]
+        assert extra["device_name"] == nics
+    pinned = resolved(render(GOOD_TOML + 'gpudirect = "dmabuf"\n'))["services"]
+    assert {pinned[r]["environment"]["PD_GPUDIRECT"] for r in ("prefill", "decode")} == \
+        {"dmabuf"}

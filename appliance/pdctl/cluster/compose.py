@@ -21,7 +21,7 @@ from appliance.pdctl.config import HostConfig, engine_id
 
 ROLES = ("prefill", "decode")
 # The values that differ between two instances of a role on one host.
-PER_INSTANCE = ("PORT", "GPUS", "CPUS", "ENGINE_ID")
+PER_INSTANCE = ("PORT", "GPUS", "CPUS", "ENGINE_ID", "RDMA_DEVICE")
 
 
 def _service(role: str, n: int) -> str:
@@ -45,6 +45,9 @@ def instance_env(cfg: HostConfig) -> dict[str, str]:
             # the CPU override resets it.
             out[f"{key}_GPUS"] = out[f"{key}_CPUS"] = listed
             out[f"{key}_ENGINE_ID"] = engine_id(cfg.host.name, role, n)
+            # The role's NICs, the same for each instance: Mooncake takes, for each GPU
+            # buffer, the nearest of those listed.
+            out[f"{key}_RDMA_DEVICE"] = cfg.transfer.device_name(role)
             if role == "prefill":
                 out[f"PD_BOOTSTRAP_{n}_PORT"] = str(cfg.ports.of("bootstrap", n))
     return out

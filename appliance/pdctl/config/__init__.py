@@ -207,9 +207,13 @@ class HostConfig(_Section):
             out.append(f"transfer.port_range: {first}-{last} holds {', '.join(inside)}")
         if (self.tls.cert_file is None) != (self.tls.key_file is None):
             out.append("tls: cert_file and key_file go together (HTTPS on the proxy)")
-        if self.stack == "gpu" and self.transfer.protocol == "rdma" and not self.transfer.device:
-            out.append("transfer.device: required when transfer.protocol is rdma (e.g. mlx5_0; "
-                       "`pdctl init` lists this host's devices)")
+        if self.stack == "gpu" and self.transfer.protocol == "rdma":
+            for role in ("prefill", "decode"):
+                if not self.transfer.devices(role):
+                    out.append(f"transfer.device: required when transfer.protocol is rdma "
+                               f"and transfer.{role}_devices is empty (e.g. mlx5_0; "
+                               "`pdctl init` lists this host's devices)")
+                    break
         return out
 
     def _instance_problems(self) -> list[str]:

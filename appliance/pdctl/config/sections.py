@@ -46,9 +46,17 @@ def _optional_file(value: str | None) -> str | None:
 class TransferSection(_Section):
     # Set explicitly: "rdma" on GPU hosts with RDMA NICs, "tcp" anywhere else.
     protocol: Literal["rdma", "tcp"] = "rdma"
+    # The RDMA devices Mooncake may use (its `device_name`, comma-joined): given several, it
+    # takes for each GPU buffer the nearest of them. Per role, `pdctl init` lists the NICs
+    # nearest that role's GPUs (README, "Which NIC each GPU uses"); `device` (one name or a
+    # comma-separated list) serves a role whose own list is empty.
     device: str = ""
-    # How the NIC reaches GPU memory: the nvidia_peermem module, or DMA-BUF (open modules).
-    gpudirect: Literal["peermem", "dmabuf"] = "peermem"
+    prefill_devices: list[str] = Field(default_factory=list)
+    decode_devices: list[str] = Field(default_factory=list)
+    # How the NIC reaches GPU memory: the nvidia_peermem module, DMA-BUF (NVIDIA's open
+    # kernel modules), or auto: the container's preflight takes the one it finds usable
+    # (peermem first) and tells Mooncake (images/base/pd-entrypoint.sh).
+    gpudirect: Literal["auto", "peermem", "dmabuf"] = "auto"
     # Mooncake's handshake and TCP data ports (two per worker) come from this range. Mooncake
     # listens on every address and cannot be told otherwise, and its endpoints read and write
     # the memory a request names: firewall this range to the cluster network (README).
@@ -64,9 +72,32 @@ class TransferSection(_Section):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if v and not _NAME.match(v):
-            raise ValueError(f"{v!r} is not an RDMA device name (e.g. mlx5_0)")
-        return v
+        names = [d.strip() for d in v.split(",")] if v else []
+        return ",".join(_device_names(names))
+
+    @field_validator("prefill_devices", "decode_devices")
+    @classmethod
+    def _devices(cls, v: list[str]) -> list[str]:
+        return _device_names(v)
+
+    def devices(self, role: str) -> list[str]:
+        """The RDMA devices of "prefill" or "decode": its own list, else `device`'s."""
+        own = self.prefill_devices if role == "prefill" else self.decode_devices
+        return own or ([d for d in self.device.split(",") if d] if self.device else [])
+
+    def device_name(self, role: str) -> str:
+        """Mooncake's `device_name` for a role's engines: its NICs comma-joined, "" on tcp."""
+        return ",".join(self.devices(role)) if self.protocol == "rdma" else ""
+
+
+def _device_names(names: list[str]) -> list[str]:
+    for name in names:
+        if not _NAME.match(name):
+            raise ValueError(f"{name!r} is not an RDMA device name (e.g. mlx5_0)")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{dup[0]} is listed twice")
+    return names
 
 
 class PortsSection(_Section):
