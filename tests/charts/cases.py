@@ -95,7 +95,35 @@ _CASES: dict[str, Case] = {
     "tracing": Case({"tracing": {"otlpEndpoint": "http://otel-collector:4317",
                                  "sampleRatio": 0.1}}),
     "explicit-kv-waits": Case({"timeouts": {"prefillS": 30, "kvRecvS": 45, "kvSendS": 90}}),
+    # No RDMA resource named: auto is tcp on the gpu stack too (the device then unused).
+    "gpu-tcp": Case({"transfer": {"rdmaResource": {"name": ""}, "device": "mlx5_0"}}),
+    # The standalone shared-device plugin's resource; KV on the node's RDMA interface.
+    "host-network": Case({"network": {"hostNetwork": True, "kvInterface": "ens1f0np0"},
+                          "transfer": {"rdmaResource": {"name": "rdma/hca_shared_devices_a"}},
+                          "podNetworkCidrs": ["10.244.0.0/16", "192.168.10.0/24"]}),
+    # SR-IOV VFs on a Multus network, NICs per role, a GPUDirect mode named.
+    "multus": Case({"network": {"multus": "rdma-net"},
+                    "transfer": {"prefillDevices": ["mlx5_0", "mlx5_1"],
+                                 "decodeDevices": ["mlx5_2"], "device": "mlx5_4",
+                                 "gpudirect": "dmabuf",
+                                 "rdmaResource": {"name": "nvidia.com/sriov_rdma", "count": 2}}}),
 }
+
+
+def protocol(v: dict[str, Any]) -> str:
+    """The KV protocol effective values give (auto: rdma on gpu with an RDMA resource)."""
+    t = v["transfer"]
+    if t["protocol"] != "auto":
+        return str(t["protocol"])
+    return "rdma" if v["stack"] == "gpu" and t["rdmaResource"]["name"] else "tcp"
+
+
+def rdma_devices(v: dict[str, Any], role: str) -> str:
+    """A role's RDMA devices as the connector and the preflight get them ("" over tcp)."""
+    t = v["transfer"]
+    if protocol(v) != "rdma":
+        return ""
+    return ",".join(t.get(f"{role}Devices") or []) or str(t["device"])
 
 
 def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

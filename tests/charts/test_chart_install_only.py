@@ -52,6 +52,18 @@ def test_notes_inline_keys_and_no_network_policy(helm: Helm, tmp_path: Path) -> 
         assert value not in notes
 
 
+def test_notes_name_the_rdma_resource_and_the_network(helm: Helm, tmp_path: Path) -> None:
+    notes = _notes(helm, tmp_path, NEEDED)
+    assert "P and D pods request rdma/rdma_shared_device_a" in notes
+    assert "rdma/hca_shared_devices_a" in notes and "transfer.protocol=tcp" in notes
+    host = _notes(helm, tmp_path / "host", {**NEEDED, "network": {"hostNetwork": True}})
+    assert "WARNING: network.hostNetwork" in host and "17000-17199" in host
+    multus = _notes(helm, tmp_path / "multus", {**NEEDED, "network": {"multus": "rdma-net"}})
+    assert "Multus network rdma-net: P and D advertise net1's address" in multus
+    tcp = _notes(helm, tmp_path / "tcp", {**NEEDED, "transfer": {"protocol": "tcp"}})
+    assert "RDMA" not in tcp and "Multus" not in tcp and "hostNetwork" not in tcp
+
+
 @pytest.mark.parametrize(("kube", "api"), [("1.20.2", "policy/v1beta1"),
                                            ("1.21.0", "policy/v1"), ("1.33.0", "policy/v1")])
 def test_pdb_api_follows_the_cluster(helm: Helm, kube: str, api: str) -> None:

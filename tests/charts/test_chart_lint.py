@@ -73,13 +73,26 @@ BAD: dict[str, tuple[dict[str, Any], list[str]]] = {
                         ["model.maxNumBatchedTokens: 64", "128"]),
     "cpu request": ({"stack": "cpu", "decode": {"cpuRequest": "half"}},
                     ["decode.cpuRequest"]),
+    "rdma without a resource": ({"transfer": {"protocol": "rdma",
+                                              "rdmaResource": {"name": "", "count": 1}}},
+                                ["transfer.rdmaResource.name", "rdma/rdma_shared_device_a",
+                                 "rdma/hca_shared_devices_a"]),
+    "host network and multus": ({"network": {"hostNetwork": True, "multus": "rdma-net"}},
+                                ["network: hostNetwork and multus exclude each other"]),
+    "multus twice": ({"network": {"multus": "rdma-net"},
+                      "decode": {"podAnnotations": {"k8s.v1.cni.cncf.io/networks": "b"}}},
+                     ["decode.podAnnotations", "set network.multus alone"]),
+    "kv interface": ({"network": {"kvInterface": "net1; reboot"}}, ["network.kvInterface"]),
+    "nic twice": ({"transfer": {"prefillDevices": ["mlx5_0", "mlx5_0"]}},
+                  ["transfer.prefillDevices", "unique"]),
 }
 
 
 ACROSS_FIELDS = {"both key sources", "neither key source", "half the keys", "cpu with rdma",
                  "managed flag", "pvc without claim", "short port range", "no pod network",
                  "strategy both 0", "shutdown flag", "step budget flag", "chunk flag",
-                 "cpu step budget"}
+                 "cpu step budget", "rdma without a resource", "host network and multus",
+                 "multus twice"}
 
 
 @pytest.mark.parametrize("name", BAD)

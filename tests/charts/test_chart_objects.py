@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from appliance import keys as node_keys
-from tests.charts.cases import CASES, KEYS, Rendered, merged
+from tests.charts.cases import CASES, KEYS, Rendered, merged, protocol, rdma_devices
 from tests.charts.helmtool import CHART
 from tests.charts.objects import (
     COMPONENT,
@@ -136,7 +136,7 @@ def test_headless_services_and_the_proxy_service(case: tuple[str, list[Doc]]) ->
 def test_replicas_gpus_and_devices(case: tuple[str, list[Doc]]) -> None:
     name, docs = case
     v, spec = effective(name), CASES[name]
-    rdma = v["transfer"]["protocol"] == "rdma"
+    rdma = protocol(v) == "rdma"
     for role, tp, replicas in zip(ROLES, spec.tp, spec.replicas, strict=True):
         w = workload(docs, role)
         assert w["spec"]["replicas"] == replicas
@@ -159,7 +159,9 @@ def test_replicas_gpus_and_devices(case: tuple[str, list[Doc]]) -> None:
         assert (rdma_res in res["requests"]) == rdma
         caps = c["securityContext"].get("capabilities", {}).get("add", [])
         assert ("IPC_LOCK" in caps) == rdma
-        assert env(c)["PD_PROTOCOL"]["value"] == v["transfer"]["protocol"]
+        assert env(c)["PD_PROTOCOL"]["value"] == protocol(v)
+        assert env(c)["PD_RDMA_DEVICE"]["value"] == rdma_devices(v, role)
+        assert env(c)["PD_GPUDIRECT"]["value"] == v["transfer"]["gpudirect"]
         volumes = {vol["name"]: vol for vol in pod(w)["volumes"]}
         shm = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
         assert len(shm) == 1
@@ -175,14 +177,15 @@ def test_kv_transfer_config(case: tuple[str, list[Doc]]) -> None:
     name, docs = case
     v = effective(name)
     p, d = kv_config(workload(docs, "prefill")), kv_config(workload(docs, "decode"))
-    for cfg, role in ((p, "kv_producer"), (d, "kv_consumer")):
+    for cfg, role, of in ((p, "kv_producer", "prefill"), (d, "kv_consumer", "decode")):
         assert cfg["kv_connector"] == "PDConnector"
         assert cfg["kv_connector_module_path"] == "appliance.connector"
         assert cfg["kv_role"] == role
         assert cfg["engine_id"] == "$(POD_NAME)"
         extra = cfg["kv_connector_extra_config"]
         assert extra["host"] == "$(POD_IP)"
-        assert extra["protocol"] == v["transfer"]["protocol"]
+        assert extra["protocol"] == protocol(v)
+        assert extra["device_name"] == rdma_devices(v, of)
         assert extra["bootstrap_token_file"] == f"{KEYS_DIR}/{node_keys.BOOTSTRAP_TOKEN}"
         assert extra["side_channel_key_file"] == f"{KEYS_DIR}/{node_keys.SIDE_CHANNEL_KEY}"
         assert "allowed_bootstrap_addrs" not in extra

@@ -78,10 +78,32 @@ def test_chart_from_the_values(rendered: Rendered, name: str) -> None:
         c = container(w, "vllm")
         assert c["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
         assert flag(c["args"], "--tensor-parallel-size") == str(gpus)
-        assert "rdma/hca_shared_devices_a" in c["resources"]["limits"]
+        assert "rdma/rdma_shared_device_a" in c["resources"]["limits"]  # Network Operator's
         (model,) = [v for v in pod(w)["volumes"] if v["name"] == "model"]
         assert model["hostPath"]["path"] == "/models/qwen"
     assert of_kind(docs, "Secret") == []
+
+
+def test_each_roles_nics_and_gpudirect(rendered: Rendered) -> None:
+    """The description's NICs per role (else `device`) and GPUDirect mode reach each role's
+    connector and preflight as TransferSection.device_name gives them."""
+    data = _desc({"name": "a", "ip": "10.0.0.1", "gpus": 2, "prefill": [[0]], "decode": [[1]]},
+                 transfer={"protocol": "rdma", "device": "mlx5_4",
+                           "prefill_devices": ["mlx5_0", "mlx5_1"]})
+    desc = parse_cluster(data)
+    t = helm_values(desc)["transfer"]
+    assert (t["prefillDevices"], t["decodeDevices"], t["device"]) == (
+        ["mlx5_0", "mlx5_1"], [], "mlx5_4")
+    assert t["gpudirect"] == "auto"
+    result = rendered.values(helm_values(desc))
+    assert result.rc == 0, result.out
+    for role in ("prefill", "decode"):
+        w = workload(result.docs(), role)
+        want = desc.transfer.device_name(role)
+        assert kv_config(w)["kv_connector_extra_config"]["device_name"] == want
+        names = {e["name"]: e.get("value") for e in container(w, "vllm")["env"]}
+        assert (names["PD_RDMA_DEVICE"], names["PD_GPUDIRECT"]) == (want, "auto")
+    assert desc.transfer.device_name("prefill") == "mlx5_0,mlx5_1"
 
 
 def test_cpu_description() -> None:

@@ -72,7 +72,8 @@ def k8s(tmp_path_factory):
                 "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pd-keys"},
                 "data": {p.name: b64(p.read_text()) for p in sorted(node_keys.dir.iterdir())}})
             for name in ("gpu-a", "gpu-b"):
-                fake_node(cp, name, gpus=8)
+                # a GPU cluster as the Network Operator makes it: the chart asks for RDMA
+                fake_node(cp, name, gpus=8, rdma={"rdma/rdma_shared_device_a": 63})
             yield cp, helm, work, node_keys
     except ControlPlaneUnavailable as exc:
         pytest.skip(str(exc))
@@ -126,6 +127,9 @@ def test_pods_are_placed_by_role_across_the_nodes(k8s, installed):
         by_role[role][pod["spec"]["nodeName"]] += 1
         used[pod["spec"]["nodeName"]] += _gpus(pod)
         assert _gpus(pod) == (2 if role == "prefill" else 4)
+        # the GPU stack moves KV over RDMA by default, on the Network Operator's resource
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["rdma/rdma_shared_device_a"] == "1"
     # one P and one D per node: spread by role
     assert by_role["prefill"] == by_role["decode"] == Counter({"gpu-a": 1, "gpu-b": 1})
     assert all(n <= 8 for n in used.values())

@@ -2,11 +2,11 @@
 
 On Kubernetes the scheduler, not the description, places pods: what carries over is how many
 P and D instances there are, their TP (GPUs per pod) or CPUs, the model, the ports, the
-routing policy, the transfer, the timeouts, the images and /dev/shm's size. The model's path
-becomes a hostPath volume (the description says every host has the model there). The pod
-network comes from the description's `[kubernetes] pod_network_cidrs` (required: D accepts
-bootstrap addresses only there). The keys stay out of the values: the chart reads them from
-a Secret made from `pdctl init`'s keys/:
+routing policy, the transfer (each role's NICs, GPUDirect), the timeouts, the images and
+/dev/shm's size. The model's path becomes a hostPath volume (the description says every
+host has the model there). The pod network comes from the description's `[kubernetes]
+pod_network_cidrs` (required: D accepts bootstrap addresses only there). The keys stay out
+of the values: the chart reads them from a Secret made from `pdctl init`'s keys/:
 
     kubectl create secret generic pd-appliance-keys --from-file=keys/
 """
@@ -95,7 +95,11 @@ def helm_values(desc: ClusterDescription) -> dict[str, Any]:
         "transfer": {
             # The CPU images move KV over TCP only.
             "protocol": "tcp" if desc.stack == "cpu" else t.protocol,
+            # Per role its own NICs, else `device` (the chart resolves them as
+            # TransferSection.devices does).
             "device": t.device,
+            "prefillDevices": list(t.prefill_devices),
+            "decodeDevices": list(t.decode_devices),
             "gpudirect": t.gpudirect,
             "portRange": list(t.port_range),
         },

@@ -7,6 +7,35 @@
 {{- $own | default $m.tpSize | int -}}
 {{- end -}}
 
+{{/* The KV transfer's protocol: transfer.protocol, or for auto rdma on the gpu stack when an
+     RDMA resource is named, else tcp. */}}
+{{- define "pd-appliance.protocol" -}}
+{{- $t := .Values.transfer -}}
+{{- if ne $t.protocol "auto" -}}{{ $t.protocol }}
+{{- else if and (eq .Values.stack "gpu") $t.rdmaResource.name -}}rdma
+{{- else -}}tcp
+{{- end -}}
+{{- end -}}
+
+{{/* A role's RDMA devices, comma-joined (Mooncake's device_name: per GPU the nearest; the
+     preflight's PD_RDMA_DEVICE): its own list, else transfer.device; "" over tcp.
+     Call with (list $ "prefill"). */}}
+{{- define "pd-appliance.rdmaDevices" -}}
+{{- $ctx := index . 0 -}}
+{{- $t := $ctx.Values.transfer -}}
+{{- if eq (include "pd-appliance.protocol" $ctx) "rdma" -}}
+{{- $own := index $t (printf "%sDevices" (index . 1)) | default list -}}
+{{- if $own }}{{ join "," $own }}{{ else }}{{ $t.device }}{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The interface whose address the side channel and Mooncake advertise: network.kvInterface,
+     else net1 (Multus' first attachment) with a Multus network; "": the pod IP. */}}
+{{- define "pd-appliance.kvInterface" -}}
+{{- $n := .Values.network -}}
+{{- $n.kvInterface | default (ternary "net1" "" (ne ($n.multus | default "") "")) -}}
+{{- end -}}
+
 {{/* The connector's settings (appliance/connector/settings.py), as one JSON argument.
      Kubernetes expands $(POD_NAME) and $(POD_IP) from the container's env. */}}
 {{- define "pd-appliance.kvTransferConfig" -}}
@@ -16,7 +45,8 @@
 {{- /* appliance.deadlines: D waits longer than the proxy, P holds KV longer than D waits. */ -}}
 {{- $recv := $v.timeouts.kvRecvS | default (addf $v.timeouts.prefillS $v.timeouts.kvTransferS) -}}
 {{- $send := $v.timeouts.kvSendS | default (addf $recv $v.timeouts.kvTransferS) -}}
-{{- $extra := dict "protocol" $v.transfer.protocol "device_name" $v.transfer.device "host" "$(POD_IP)" "recv_timeout_s" $recv "bootstrap_token_file" (printf "%s/bootstrap-token" $keys) "side_channel_key_file" (printf "%s/side-channel.key" $keys) -}}
+{{- /* With a KV interface appliance.kvhost puts its address in `host` at start. */ -}}
+{{- $extra := dict "protocol" (include "pd-appliance.protocol" (index . 0)) "device_name" (include "pd-appliance.rdmaDevices" .) "host" "$(POD_IP)" "recv_timeout_s" $recv "bootstrap_token_file" (printf "%s/bootstrap-token" $keys) "side_channel_key_file" (printf "%s/side-channel.key" $keys) -}}
 {{- if eq $role "prefill" -}}
 {{- /* The port, not a URL: the connector builds it from the pod IP (brackets for IPv6). */ -}}
 {{- $_ := set $extra "bootstrap_port" (int $v.ports.bootstrap) -}}
@@ -47,7 +77,7 @@ lifecycle:
 {{- end -}}
 
 {{/* vLLM's command line after the image's entrypoint (which runs the RDMA preflight: so
-     `args`, never `command`). */}}
+     `args`, never `command`); through appliance.kvhost with a KV interface. */}}
 {{- define "pd-appliance.vllmArgs" -}}
 {{- $ctx := index . 0 -}}
 {{- $role := index . 1 -}}
@@ -77,6 +107,7 @@ lifecycle:
 {{- $args = concat $args (list "--kv-transfer-config" (include "pd-appliance.kvTransferConfig" .)) -}}
 {{- with $v.tracing.otlpEndpoint }}{{ $args = concat $args (list "--otlp-traces-endpoint" .) }}{{ end -}}
 {{- $args = concat $args $m.extraArgs (ternary $m.prefillExtraArgs $m.decodeExtraArgs (eq $role "prefill")) -}}
+{{- with (include "pd-appliance.kvInterface" $ctx) }}{{ $args = concat (list "python3" "-m" "appliance.kvhost" "--interface" . "--") $args }}{{ end -}}
 {{- toYaml $args -}}
 {{- end -}}
 
@@ -101,7 +132,7 @@ lifecycle:
 {{- $_ := set $requests "cpu" (($r.cpuRequest | default "") | toString | default (toString (int $r.cpus))) -}}
 {{- $_ := set $limits "cpu" (toString (int $r.cpus)) -}}
 {{- end -}}
-{{- if eq $v.transfer.protocol "rdma" -}}
+{{- if eq (include "pd-appliance.protocol" (index . 0)) "rdma" -}}
 {{- $_ := set $requests $v.transfer.rdmaResource.name (toString (int $v.transfer.rdmaResource.count)) -}}
 {{- $_ := set $limits $v.transfer.rdmaResource.name (toString (int $v.transfer.rdmaResource.count)) -}}
 {{- end -}}
@@ -120,10 +151,10 @@ lifecycle:
 - name: PD_API_KEY_FILE  # the launcher reads it into VLLM_API_KEY
   value: {{ include "pd-appliance.keysDir" (index . 0) }}/api-key
 - name: PD_PROTOCOL  # read by the image's preflight too
-  value: {{ $v.transfer.protocol }}
-- name: PD_RDMA_DEVICE
-  value: {{ $v.transfer.device | quote }}
-- name: PD_GPUDIRECT
+  value: {{ include "pd-appliance.protocol" (index . 0) }}
+- name: PD_RDMA_DEVICE  # the role's devices (the preflight checks them)
+  value: {{ include "pd-appliance.rdmaDevices" . | quote }}
+- name: PD_GPUDIRECT  # auto: the image's entrypoint picks the mode and tells Mooncake
   value: {{ $v.transfer.gpudirect }}
 - name: MC_MIN_RPC_PORT
   value: {{ index $v.transfer.portRange 0 | int | quote }}

@@ -9,6 +9,8 @@
 {{- $role := index . 1 -}}
 {{- $v := $ctx.Values -}}
 {{- $r := index $v $role -}}
+{{- $ann := deepCopy ($r.podAnnotations | default dict) -}}
+{{- with $v.network.multus }}{{ $_ := set $ann "k8s.v1.cni.cncf.io/networks" . }}{{ end -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -28,10 +30,14 @@ spec:
     metadata:
       labels:
         {{- include "pd-appliance.labels" . | nindent 8 }}
-      {{- with (include "pd-appliance.podAnnotations" (list $ctx $r.podAnnotations) | trim) }}{{ . | nindent 6 }}{{ end }}
+      {{- with (include "pd-appliance.podAnnotations" (list $ctx $ann) | trim) }}{{ . | nindent 6 }}{{ end }}
     spec:
       automountServiceAccountToken: false  # P and D never talk to the API server
       enableServiceLinks: false
+      {{- if $v.network.hostNetwork }}
+      hostNetwork: true  # the pod IP is the node's
+      dnsPolicy: ClusterFirstWithHostNet
+      {{- end }}
       # preStop's sleep, vLLM's drain (--shutdown-timeout), 10 s to exit
       terminationGracePeriodSeconds: {{ $r.terminationGracePeriodSeconds | int }}
       {{- with (include "pd-appliance.pullSecrets" $ctx | trim) }}{{ . | nindent 6 }}{{ end }}
@@ -53,7 +59,7 @@ spec:
             {{- include "pd-appliance.vllmResources" . | nindent 12 }}
           securityContext:
             allowPrivilegeEscalation: false
-            {{- if eq $v.transfer.protocol "rdma" }}
+            {{- if eq (include "pd-appliance.protocol" $ctx) "rdma" }}
             capabilities:  # RDMA pins (registers) GPU and host memory
               add: [IPC_LOCK]
             {{- end }}
