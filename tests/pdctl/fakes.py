@@ -19,6 +19,12 @@ Max open files            1048576              1048576              files
 LOW_LIMITS = UNLIMITED_LIMITS.replace(
     "Max locked memory         unlimited            unlimited",
     "Max locked memory         8388608              8388608  ")
+# NVIDIA's driver for CUDA 13.0 is 580.65.06 or later: the healthy host has 580.95.05.
+DRIVER = "580.95.05"
+PROC_VERSION = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  {v}  Thu Sep 25 2025\n")
+OPEN_VERSION = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {v}  Release Build\n")
+DOCKERD_PID = 812
+FULL_CAPS = "000001ffffffffff"
 TCP_HEADER = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid"
               "  timeout inode\n")
 
@@ -41,27 +47,23 @@ class FakeHost:
         (r / "sys/devices/system/cpu").mkdir(parents=True)
         (r / "sys/devices/system/cpu/online").write_text(self.cpus + "\n")
         for i in range(self.gpus):
-            bus = f"0000:{0x18 + i:02x}:00.0"
-            d = r / "proc/driver/nvidia/gpus" / bus
-            d.mkdir(parents=True)
-            (d / "information").write_text(f"Model: \t\t NVIDIA H100 80GB HBM3\nIRQ: 1\n"
-                                            f"Device Minor: \t {i}\n")
-        (r / "proc/driver/nvidia/version").write_text(
-            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 2024\n")
+            self.proc_gpu(f"0000:{0x18 + i:02x}:00.0", i)
+        (r / "proc/driver/nvidia").mkdir(parents=True, exist_ok=True)
+        (r / "proc/driver/nvidia/version").write_text(PROC_VERSION.format(v=DRIVER))
         (r / "proc/sys/kernel").mkdir(parents=True)
         (r / "proc/sys/kernel/osrelease").write_text("6.1.0-18-amd64\n")
         (r / "proc/self").mkdir(parents=True)
         (r / "proc/self/limits").write_text(UNLIMITED_LIMITS)
+        # A rootful dockerd as systemd starts it: root, every capability, the default 8 MiB
+        # memlock (it raises a container's limit as compose.yaml asks).
+        self.dockerd(DOCKERD_PID, uid=0, caps=FULL_CAPS, limits=LOW_LIMITS)
+        (r / "var/run").mkdir(parents=True)
+        (r / "var/run/docker.pid").write_text(f"{DOCKERD_PID}\n")
         (r / "proc/net").mkdir(parents=True)
         (r / "proc/net/tcp").write_text(TCP_HEADER)
         (r / "proc/net/tcp6").write_text(TCP_HEADER)
         for name in self.devices:
-            port = r / "sys/class/infiniband" / name / "ports/1"
-            port.mkdir(parents=True)
-            (port / "state").write_text("4: ACTIVE\n")
-            (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
-            (port / "link_layer").write_text("InfiniBand\n")
-            (r / "sys/class/infiniband" / name / "device/net/ib0").mkdir(parents=True)
+            self.rdma_device(name)
         (r / "sys/module/nvidia_peermem").mkdir(parents=True)
         (r / "dev/infiniband").mkdir(parents=True)
         for node in ("uverbs0", "rdma_cm"):
@@ -70,6 +72,30 @@ class FakeHost:
         (r / "models/qwen/config.json").write_text("{}")
         return self
 
+    def rdma_device(self, name: str) -> None:
+        """An ACTIVE InfiniBand device without a PCI location (ib0 its netdev)."""
+        port = self.root / "sys/class/infiniband" / name / "ports/1"
+        port.mkdir(parents=True)
+        (port / "state").write_text("4: ACTIVE\n")
+        (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
+        (port / "link_layer").write_text("InfiniBand\n")
+        (self.root / "sys/class/infiniband" / name / "device/net/ib0").mkdir(parents=True)
+
+    def proc_gpu(self, bus: str, minor: int) -> None:
+        d = self.root / "proc/driver/nvidia/gpus" / bus
+        d.mkdir(parents=True)
+        (d / "information").write_text(f"Model: \t\t NVIDIA H100 80GB HBM3\nIRQ: 1\n"
+                                        f"Device Minor: \t {minor}\n")
+
+    def dockerd(self, pid: int, uid: int, caps: str, limits: str) -> None:
+        d = self.root / "proc" / str(pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "comm").write_text("dockerd\n")
+        (d / "status").write_text(f"Name:\tdockerd\nState:\tS (sleeping)\nPid:\t{pid}\n"
+                                  f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nCapInh:\t0000000000000000\n"
+                                  f"CapPrm:\t{caps}\nCapEff:\t{caps}\n")
+        (d / "limits").write_text(limits)
+
     # ---- breakages ----------------------------------------------------------------------
     def cpu_only(self, runner: FakeRunner) -> None:
         """No NVIDIA driver, no RDMA NIC: a CPU host."""
@@ -77,14 +103,30 @@ class FakeHost:
 
         shutil.rmtree(self.root / "proc/driver/nvidia")
         shutil.rmtree(self.root / "sys/class/infiniband")
-        runner.answers.pop(("nvidia-smi",), None)
+        for key in [k for k in runner.answers if k[0] == "nvidia-smi"]:
+            runner.answers.pop(key)
 
     def no_peermem(self) -> None:
         (self.root / "sys/module/nvidia_peermem").rmdir()
 
     def open_kernel_modules(self) -> None:
-        (self.root / "proc/driver/nvidia/version").write_text(
-            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build\n")
+        (self.root / "proc/driver/nvidia/version").write_text(OPEN_VERSION.format(v=DRIVER))
+
+    def old_driver(self, runner: FakeRunner | None = None, version: str = "550.54.15") -> None:
+        """A CUDA 12 driver: in /proc and, given the runner, in nvidia-smi's answer."""
+        (self.root / "proc/driver/nvidia/version").write_text(PROC_VERSION.format(v=version))
+        if runner is not None:
+            runner.answer(["nvidia-smi", "--query-gpu=driver_version"], f"{version}\n" * 2)
+
+    def rootless_dockerd(self, hard_memlock_unlimited: bool = False) -> None:
+        """dockerd run by a user (rootless): full capabilities, but only in its own user
+        namespace; its pid file lives in $XDG_RUNTIME_DIR, not /var/run."""
+        import shutil
+
+        shutil.rmtree(self.root / "proc" / str(DOCKERD_PID))
+        (self.root / "var/run/docker.pid").unlink()
+        limits = UNLIMITED_LIMITS if hard_memlock_unlimited else LOW_LIMITS
+        self.dockerd(2345, uid=1000, caps=FULL_CAPS, limits=limits)
 
     def port_down(self, device: str = "mlx5_0") -> None:
         (self.root / "sys/class/infiniband" / device / "ports/1/state").write_text("1: DOWN\n")
@@ -104,6 +146,8 @@ class FakeHost:
 
 NVIDIA_SMI = "0, NVIDIA H100 80GB HBM3, 00000000:18:00.0, 81559\n" \
              "1, NVIDIA H100 80GB HBM3, 00000000:2A:00.0, 81559\n"
+IP_ROUTE = json.dumps([{"dst": "default", "gateway": "192.168.1.1", "dev": "eno1",
+                        "protocol": "dhcp", "flags": []}])
 IP_ADDR = json.dumps([
     {"ifname": "lo", "addr_info": [{"local": "127.0.0.1", "scope": "host"}]},
     {"ifname": "eno1", "addr_info": [{"local": "192.168.1.20", "scope": "global"}]},
@@ -136,7 +180,9 @@ class FakeRunner:
 def healthy_runner() -> FakeRunner:
     return (FakeRunner()
             .answer(["nvidia-smi"], NVIDIA_SMI)
+            .answer(["nvidia-smi", "--query-gpu=driver_version"], f"{DRIVER}\n{DRIVER}\n")
             .answer(["ip"], IP_ADDR)
+            .answer(["ip", "-j", "route"], IP_ROUTE)
             .answer(["docker", "version"], "28.2.2\n")
             .answer(["docker", "compose", "version"], "2.40.3\n")
             .answer(["docker", "info"], '{"io.containerd.runc.v2":{},"nvidia":{},"runc":{}}\n')

@@ -29,7 +29,10 @@ def test_healthy_host_passes_everything(doctor):
     assert checks["GPUs"]["detail"].startswith("2 × NVIDIA H100 80GB HBM3 (from nvidia-smi)")
     assert checks["RDMA port"]["detail"] == "mlx5_0 port 1 ACTIVE, 200 Gb/sec (4X HDR)"
     assert checks["GPUDirect RDMA"]["detail"] == "nvidia_peermem loaded"
-    assert checks["memlock"]["detail"] == "unlimited"
+    assert checks["NVIDIA driver"]["detail"] == "580.95.05 (from nvidia-smi; CUDA 13.0 needs " \
+                                                "580.65.06)"
+    assert checks["memlock"]["status"] == "pass"
+    assert "dockerd (pid 812) runs as root and grants it" in checks["memlock"]["detail"]
     assert checks["/dev/infiniband"]["detail"] == "rdma_cm, uverbs0"
     assert checks["NVIDIA container runtime"]["status"] == "pass"
 
@@ -56,11 +59,12 @@ def test_no_peermem(doctor, host):
 def test_no_peermem_but_dmabuf_usable(doctor, host):
     host.no_peermem()
     host.open_kernel_modules()
-    code, checks = doctor()
+    code, checks = doctor(GOOD_TOML + 'gpudirect = "peermem"\n')
     assert code == 1 and 'set transfer.gpudirect = "dmabuf"' in checks["GPUDirect RDMA"]["fix"]
-    code, checks = doctor(GOOD_TOML + 'gpudirect = "dmabuf"\n')
-    assert code == 0
-    assert checks["GPUDirect RDMA"]["detail"].startswith("DMA-BUF usable (open kernel modules")
+    for mode in ("dmabuf", "auto"):  # auto: the preflight takes the one that works
+        code, checks = doctor(GOOD_TOML + f'gpudirect = "{mode}"\n')
+        assert code == 0
+        assert checks["GPUDirect RDMA"]["detail"].startswith("DMA-BUF usable (open kernel")
 
 
 def test_dmabuf_needs_open_modules(doctor):
@@ -85,12 +89,59 @@ def test_no_dev_infiniband(doctor, host):
     assert "ib_uverbs" in checks["/dev/infiniband"]["fix"]
 
 
-def test_low_memlock(doctor, host):
+def test_old_driver_fails_naming_found_and_needed(doctor, host, runner):
+    host.old_driver(runner)
+    code, checks = doctor()
+    assert code == 1 and failed(checks) == ["NVIDIA driver"]
+    check = checks["NVIDIA driver"]
+    assert check["detail"] == "550.54.15 (from nvidia-smi): the images' CUDA 13.0 needs " \
+                              "580.65.06 or later"
+    assert "branch 580 or later" in check["fix"] and "nvidia-driver-580" in check["fix"]
+
+
+def test_driver_version_from_proc_without_nvidia_smi(doctor, host, runner):
+    for key in [k for k in runner.answers if k[0] == "nvidia-smi"]:
+        runner.answers.pop(key)
+    code, checks = doctor()
+    assert checks["NVIDIA driver"]["detail"].startswith("580.95.05 (from /proc/driver/nvidia")
+    host.old_driver(version="575.57.08")
+    code, checks = doctor()
+    assert code == 1 and failed(checks) == ["NVIDIA driver"]
+    assert checks["NVIDIA driver"]["detail"].startswith("575.57.08 (from /proc/driver/nvidia")
+
+
+def test_pdctls_own_memlock_does_not_matter(doctor, host):
+    """The engines run in containers that compose gives unlimited memlock; pdctl (as a
+    systemd unit, or run from a login shell) may have the default 8 MiB."""
     host.low_memlock()
     code, checks = doctor()
+    assert code == 0 and checks["memlock"]["status"] == "pass"
+
+
+def test_rootless_dockerd_with_finite_hard_memlock(doctor, host):
+    host.rootless_dockerd()
+    code, checks = doctor()
     assert code == 1 and failed(checks) == ["memlock"]
-    assert checks["memlock"]["detail"].startswith("soft 8192 KiB, hard 8192 KiB")
-    assert "memlock unlimited" in checks["memlock"]["fix"]
+    check = checks["memlock"]
+    assert "rootless dockerd (pid 2345, uid 1000) cannot raise its hard memlock (8192 KiB)" \
+        in check["detail"]
+    assert "LimitMEMLOCK=infinity" in check["fix"] and "systemctl --user" in check["fix"]
+
+
+def test_rootless_dockerd_with_unlimited_hard_memlock(doctor, host):
+    host.rootless_dockerd(hard_memlock_unlimited=True)
+    code, checks = doctor()
+    assert code == 0
+    assert "rootless dockerd (pid 2345, uid 1000) has an unlimited hard memlock" in \
+        checks["memlock"]["detail"]
+
+
+def test_no_dockerd_skips_memlock(doctor, host):
+    import shutil
+
+    shutil.rmtree(host.root / "proc/812")
+    code, checks = doctor()
+    assert checks["memlock"]["status"] == "skip" and "no dockerd" in checks["memlock"]["detail"]
 
 
 def test_port_in_use(doctor, host):
@@ -136,10 +187,11 @@ def test_missing_gpu_index_and_device(doctor):
 def test_tcp_host_skips_rdma_checks(doctor, host):
     host.no_peermem()
     host.no_dev_infiniband()
-    host.low_memlock()
+    host.rootless_dockerd()
     code, checks = doctor(GOOD_TOML.replace('"rdma"', '"tcp"'))
     assert code == 0
-    for name in ("RDMA device", "RDMA port", "/dev/infiniband", "GPUDirect RDMA", "memlock"):
+    for name in ("RDMA device", "RDMA port", "/dev/infiniband", "GPUDirect RDMA", "memlock",
+                 "NICs (prefill)", "NICs (decode)", "PCIe ACS"):
         assert checks[name]["status"] == "skip", name
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from appliance.pdctl.config import load_config
@@ -15,10 +16,11 @@ def test_init_detects_gpus_rdma_and_address(pdctl, tmp_path):
     assert "GPUs: 2" in res.stdout and "RDMA: mlx5_0 (port 1 ACTIVE 200 Gb/sec (4X HDR))" \
         in res.stdout
     cfg = load_config(out)
-    assert cfg.host.ip == "10.0.0.11"  # the RDMA NIC's netdev (ib0), not eno1
+    assert cfg.host.ip == "192.168.1.20"  # the default route's eno1, not InfiniBand's ib0
     assert (cfg.gpus.prefill, cfg.gpus.decode) == ([0], [1])
-    assert (cfg.transfer.protocol, cfg.transfer.device, cfg.transfer.gpudirect) == \
-        ("rdma", "mlx5_0", "peermem")
+    assert (cfg.transfer.protocol, cfg.transfer.gpudirect) == ("rdma", "peermem")
+    assert (cfg.transfer.prefill_devices, cfg.transfer.decode_devices) == (["mlx5_0"],
+                                                                            ["mlx5_0"])
     assert cfg.model.path == "/models/qwen" and cfg.model.name == "qwen"
 
 
@@ -108,3 +110,49 @@ def test_init_on_a_host_without_nvidia_smi_or_rdma(pdctl, tmp_path, host, runner
     assert res.exit_code == 0, res.output
     assert "RDMA: no devices" in res.stdout
     assert load_config(out).transfer.protocol == "tcp"
+
+
+def _ip(*addrs: tuple[str, str]) -> str:
+    return json.dumps([{"ifname": dev, "addr_info": [{"local": ip, "scope": "global"}]}
+                       for dev, ip in addrs])
+
+
+def test_init_on_an_infiniband_host_takes_the_default_routes_address(pdctl, tmp_path, runner):
+    """ib0 is IPoIB: clients, the proxy and Ethernet-only peers may not reach it."""
+    runner.answer(["ip"], _ip(("ib0", "10.0.0.11"), ("eno1", "172.16.0.5"),
+                              ("eno2", "192.168.1.20")))
+    runner.answer(["ip", "-j", "route"], json.dumps([{"dst": "default", "dev": "eno2"}]))
+    out = tmp_path / "host.toml"
+    res = pdctl("init", "--out", str(out), "--model", "/models/qwen")
+    assert res.exit_code == 0, res.output
+    assert load_config(out).host.ip == "192.168.1.20"
+    said = " ".join(res.stdout.split())
+    assert "addresses: host.ip 192.168.1.20 (eno2, the default route's interface; not " \
+           "mlx5_0's IPoIB netdev) serves P, D, the bootstrap sidecar and the side channels; " \
+           "the proxy listens on compose.bind (0.0.0.0:8000); Mooncake's handshake goes to " \
+           "host.ip, the KV over RDMA by each NIC's GID" in said
+
+
+def test_init_on_a_roce_host_takes_the_nics_address(tmp_path):
+    """RoCE: the NIC's netdev is plain Ethernet, the address P and D should share."""
+    from click.testing import CliRunner
+
+    from appliance.pdctl.cli import cli
+    from tests.pdctl.fake_topology import workstation
+    from tests.pdctl.fakes import env_for
+
+    host, runner = workstation(tmp_path / "root")  # default route: eno1, 192.168.1.20
+    out = tmp_path / "host.toml"
+    res = CliRunner().invoke(cli, ["init", "--out", str(out), "--model", "/models/qwen"],
+                             obj=env_for(host.root, runner))
+    assert res.exit_code == 0, res.output
+    assert load_config(out).host.ip == "10.1.0.5"
+    assert "host.ip 10.1.0.5 (enp5s0np0, the RDMA NIC's netdev)" in res.stdout
+
+
+def test_init_without_rdma_takes_the_default_routes_address(pdctl, tmp_path, runner):
+    runner.answer(["ip"], _ip(("docker0", "172.17.0.1"), ("eno1", "192.168.1.20")))
+    out = tmp_path / "host.toml"
+    assert pdctl("init", "--out", str(out), "--model", "/models/qwen", "--protocol",
+                 "tcp").exit_code == 0
+    assert load_config(out).host.ip == "192.168.1.20"

@@ -396,9 +396,11 @@ def test_p_and_d_of_different_tp(render, runner):
     assert flag(s["decode"]["command"], "--tensor-parallel-size") == "1"
 
 
-def test_each_role_gets_its_own_nics_and_gpudirect_auto(render):
+def test_each_role_gets_its_own_nics_and_gpudirect_auto(render, host):
     """P's and D's NICs reach their own preflight and Mooncake's device_name; GPUDirect is
     left to the preflight (auto) unless the config names a path."""
+    for name in ("mlx5_2", "mlx5_10"):
+        host.rdma_device(name)
     toml = GOOD_TOML.replace('device = "mlx5_0"\n',
                              'prefill_devices = ["mlx5_0", "mlx5_2"]\n'
                              'decode_devices = ["mlx5_10"]\n')

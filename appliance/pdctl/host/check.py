@@ -7,6 +7,7 @@ from pathlib import Path
 
 from appliance.pdctl.config import HostConfig
 from appliance.pdctl.host.probe import HostProbe
+from appliance.pdctl.host.topology import natural_key
 
 
 def host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:
@@ -39,12 +40,16 @@ def _gpu_host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:
                 if idx not in have:
                     out.append(f"{where}: GPU {idx} does not exist on this host "
                                f"(GPUs: {found})")
-    if cfg.transfer.protocol == "rdma" and cfg.transfer.device:
-        devices = probe.rdma_devices()
-        if not any(d.name == cfg.transfer.device for d in devices):
-            known = ", ".join(d.name for d in devices) or "none in /sys/class/infiniband"
-            out.append(f"transfer.device: unknown RDMA device {cfg.transfer.device!r} "
-                       f"(this host has: {known})")
+    if cfg.transfer.protocol == "rdma":
+        have = {d.name for d in probe.rdma_devices()}
+        known = ", ".join(sorted(have, key=natural_key)) or "none in /sys/class/infiniband"
+        for where in ("device", "prefill_devices", "decode_devices"):
+            value = getattr(cfg.transfer, where)
+            names = [n for n in value.split(",") if n] if isinstance(value, str) else value
+            for name in names:
+                if name not in have:
+                    out.append(f"transfer.{where}: unknown RDMA device {name!r} (this host "
+                               f"has: {known})")
     return out
 
 

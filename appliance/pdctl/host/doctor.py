@@ -12,7 +12,7 @@ from typing import Literal
 
 from appliance.pdctl.compose.binary import MIN_COMPOSE, version_tuple
 from appliance.pdctl.config import HostConfig, PortsSection
-from appliance.pdctl.host.probe import HostProbe, Memlock
+from appliance.pdctl.host.probe import UNLIMITED, HostProbe, Memlock, RdmaDevice
 
 Status = Literal["pass", "fail", "skip", "warn"]
 
@@ -81,20 +81,42 @@ def _ranges(values: list[int]) -> str:
 MIN_ENGINE = (20, 10)
 
 
-def _dotted(version: tuple[int, ...]) -> str:
-    return ".".join(map(str, version))
+def _dotted(version: tuple[int, ...], width: int = 1) -> str:
+    return ".".join(f"{v:0{width}d}" if i else str(v) for i, v in enumerate(version))
+
+
+# The GPU images run CUDA 13.0 (torch cu130): NVIDIA's driver for CUDA 13.x is branch 580
+# or later (CUDA Compatibility, minor version compatibility table), 580.65.06 being the
+# driver CUDA 13.0 GA shipped with (CUDA 13.0 release notes).
+MIN_DRIVER = (580, 65, 6)
+
+
+def check_driver(probe: HostProbe) -> Check:
+    name = "NVIDIA driver"
+    version, source = probe.driver_release()
+    if version is None:
+        return _skip(name, "version unknown (nvidia-smi, /proc/driver/nvidia/version)")
+    if version_tuple(version) < MIN_DRIVER:
+        return _fail(name, f"{version} (from {source}): the images' CUDA 13.0 needs "
+                     f"{_dotted(MIN_DRIVER, 2)} or later",
+                     "install a driver of branch 580 or later, e.g. Ubuntu's "
+                     "nvidia-driver-580-server-open (or nvidia-driver-580), or "
+                     "cuda-drivers-580 from NVIDIA's CUDA repository; then reboot")
+    return _pass(name, f"{version} (from {source}; CUDA 13.0 needs {_dotted(MIN_DRIVER, 2)})")
 
 
 def check_gpus(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
     if cfg is not None and cfg.stack == "cpu":
-        return [_skip("GPUs", "stack is cpu"), check_cpus(cfg, probe)]
+        return [_skip("GPUs", "stack is cpu"), _skip("NVIDIA driver", "stack is cpu"),
+                check_cpus(cfg, probe)]
     gpus, source = probe.gpus()
     if not gpus:
         return [_fail("GPUs", "no NVIDIA GPU found (nvidia-smi, /proc/driver/nvidia/gpus)",
                       "install the NVIDIA driver; `nvidia-smi` must list the GPUs"),
                 _skip("GPU indices", "no GPUs")]
     names = sorted({g.name for g in gpus})
-    out = [_pass("GPUs", f"{len(gpus)} × {' / '.join(names)} (from {source})")]
+    out = [_pass("GPUs", f"{len(gpus)} × {' / '.join(names)} (from {source})"),
+           check_driver(probe)]
     if cfg is None:
         return out + [_skip("GPU indices", "no host config")]
     have = {g.index for g in gpus}
@@ -129,41 +151,57 @@ def _instances(cfg: HostConfig) -> str:
     return ", ".join(parts)
 
 
+def _configured_nics(cfg: HostConfig | None) -> list[str]:
+    """Every RDMA device the config lists, P's first, once each."""
+    if cfg is None:
+        return []
+    names = cfg.transfer.devices("prefill") + cfg.transfer.devices("decode")
+    return list(dict.fromkeys(names))
+
+
 def check_rdma(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
     names = ("RDMA device", "RDMA port", "/dev/infiniband", "GPUDirect RDMA")
     if cfg is not None and cfg.transfer.protocol == "tcp":
         return [_skip(n, "transfer.protocol is tcp") for n in names]
     devices = probe.rdma_devices()
+    byname = {d.name: d for d in devices}
     out: list[Check] = []
-    wanted = cfg.transfer.device if cfg is not None else ""
+    wanted = _configured_nics(cfg)
+    chosen: list[RdmaDevice] = []
     if not devices:
         out.append(_fail("RDMA device", "no RDMA device in /sys/class/infiniband",
                          "install the NIC driver and rdma-core (mlx5_core, mlx5_ib), or set "
                          "transfer.protocol = \"tcp\""))
-        dev = None
     elif wanted:
-        dev = next((d for d in devices if d.name == wanted), None)
-        if dev is None:
-            out.append(_fail("RDMA device", f"{wanted} not found (this host has: "
+        chosen = [byname[w] for w in wanted if w in byname]
+        missing = [w for w in wanted if w not in byname]
+        if missing:
+            out.append(_fail("RDMA device", f"{', '.join(missing)} not found (this host has: "
                              f"{', '.join(d.name for d in devices)})",
-                             "set transfer.device to one of them (`ibv_devinfo -l` lists them)"))
+                             "list this host's devices in transfer.prefill_devices and "
+                             "decode_devices (or transfer.device); `ibv_devinfo -l` lists "
+                             "them, `pdctl init` picks the nearest"))
         else:
-            out.append(_pass("RDMA device", _describe_device(dev)))
+            out.append(_pass("RDMA device", "; ".join(_describe_device(d) for d in chosen)))
     else:
-        dev = next((d for d in devices if d.active_ports), devices[0])
-        out.append(_pass("RDMA device", f"{_describe_device(dev)} (no transfer.device "
+        chosen = [next((d for d in devices if d.active_ports), devices[0])]
+        out.append(_pass("RDMA device", f"{_describe_device(chosen[0])} (no transfer.device "
                          f"configured; first with an ACTIVE port)"))
-    if dev is None:
-        out.append(_skip("RDMA port", "no RDMA device"))
-    elif dev.active_ports:
-        p = dev.active_ports[0]
-        out.append(_pass("RDMA port", f"{dev.name} port {p.number} ACTIVE, "
-                         f"{p.rate or 'rate unknown'}"))
+    if not chosen or len(chosen) < len(wanted):
+        out.append(_skip("RDMA port", "no RDMA device" if not chosen else
+                         "a configured device is missing"))
+    elif all(d.active_ports for d in chosen):
+        out.append(_pass("RDMA port", "; ".join(
+            f"{d.name} port {d.active_ports[0].number} ACTIVE, "
+            f"{d.active_ports[0].rate or 'rate unknown'}" for d in chosen)))
     else:
-        states = ", ".join(f"port {p.number} {p.state}" for p in dev.ports) or "no ports"
-        out.append(_fail("RDMA port", f"{dev.name}: {states}",
+        down = [d for d in chosen if not d.active_ports]
+        states = "; ".join(f"{d.name}: " + (", ".join(f"port {p.number} {p.state}"
+                                                     for p in d.ports) or "no ports")
+                           for d in down)
+        out.append(_fail("RDMA port", states,
                          f"check the cable, the switch and (InfiniBand) the subnet manager; "
-                         f"`ibstat {dev.name}` shows the link"))
+                         f"`ibstat {down[0].name}` shows the link"))
     nodes = probe.infiniband_dev_nodes()
     if any(n.startswith("uverbs") for n in nodes):
         out.append(_pass("/dev/infiniband", ", ".join(nodes)))
@@ -175,7 +213,7 @@ def check_rdma(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
     return out
 
 
-def _describe_device(dev) -> str:  # noqa: ANN001 - RdmaDevice
+def _describe_device(dev: RdmaDevice) -> str:
     layer = next((p.link_layer for p in dev.ports if p.link_layer), "")
     extra = [x for x in (layer, ", ".join(dev.netdevs)) if x]
     return f"{dev.name}" + (f" ({'; '.join(extra)})" if extra else "")
@@ -183,12 +221,12 @@ def _describe_device(dev) -> str:  # noqa: ANN001 - RdmaDevice
 
 def check_gpudirect(cfg: HostConfig | None, probe: HostProbe) -> Check:
     name = "GPUDirect RDMA"
-    mode = cfg.transfer.gpudirect if cfg is not None else None
+    mode = cfg.transfer.gpudirect if cfg is not None else "auto"
     peermem = probe.peermem_loaded()
     dmabuf, why = probe.dmabuf_usable()
-    if mode in (None, "peermem") and peermem:
+    if mode in ("auto", "peermem") and peermem:
         return _pass(name, "nvidia_peermem loaded")
-    if mode in (None, "dmabuf") and dmabuf:
+    if mode in ("auto", "dmabuf") and dmabuf:
         return _pass(name, f"DMA-BUF usable ({why})")
     if mode == "dmabuf":
         return _fail(name, f"DMA-BUF not usable: {why}",
@@ -203,18 +241,31 @@ def check_gpudirect(cfg: HostConfig | None, probe: HostProbe) -> Check:
 
 
 def check_memlock(cfg: HostConfig | None, probe: HostProbe) -> Check:
+    """What the engines get: the compose services ask for unlimited memlock (and IPC_LOCK),
+    which dockerd grants if it may raise a hard limit. pdctl's own limit does not matter:
+    it starts no engine that pins memory (`up --local` is the CPU build over TCP), and
+    under systemd it is the unit's, not limits.conf's."""
     name = "memlock"
     if cfg is not None and cfg.transfer.protocol == "tcp":
         return _skip(name, "transfer.protocol is tcp (nothing is pinned for RDMA)")
-    limit = probe.memlock()
-    if limit is None:
-        return _skip(name, "cannot read /proc/self/limits")
-    if limit.unlimited:
-        return _pass(name, "unlimited")
-    return _fail(name, f"soft {Memlock.describe(limit.soft)}, hard "
-                 f"{Memlock.describe(limit.hard)} (RDMA pins the whole KV cache)",
-                 "set `* - memlock unlimited` in /etc/security/limits.conf (or "
-                 "LimitMEMLOCK=infinity for dockerd); the compose services set it themselves")
+    daemon = probe.dockerd()
+    if daemon is None:
+        return _skip(name, "no dockerd running (/var/run/docker.pid, /proc): the compose "
+                     "services ask it for unlimited memlock")
+    asked = "the compose services ask for unlimited memlock (ulimits, IPC_LOCK)"
+    if daemon.can_raise_limits:
+        return _pass(name, f"{asked}; dockerd (pid {daemon.pid}) runs as root and grants it")
+    hard = daemon.memlock.hard if daemon.memlock is not None else None
+    who = f"dockerd (pid {daemon.pid}, uid {daemon.uid if daemon.uid is not None else '?'})"
+    if hard == UNLIMITED:
+        return _pass(name, f"{asked}; rootless {who} has an unlimited hard memlock")
+    have = "unknown" if hard is None else Memlock.describe(hard)
+    return _fail(name, f"{asked}, but rootless {who} cannot raise its hard memlock "
+                 f"({have}) for them: RDMA cannot pin the KV cache",
+                 "give the rootless daemon LimitMEMLOCK=infinity (systemctl --user edit "
+                 "docker: [Service] LimitMEMLOCK=infinity; the user's hard limit too: "
+                 "`<user> hard memlock unlimited` in /etc/security/limits.conf), then "
+                 "systemctl --user restart docker; or use the rootful engine")
 
 
 def check_ports(cfg: HostConfig | None, probe: HostProbe) -> Check:
@@ -292,6 +343,10 @@ def check_model(cfg: HostConfig | None, probe: HostProbe) -> Check:
 
 
 def run_checks(cfg: HostConfig | None, probe: HostProbe) -> list[Check]:
-    return [*check_gpus(cfg, probe), *check_rdma(cfg, probe), check_memlock(cfg, probe),
-            check_ports(cfg, probe), check_model(cfg, probe), *check_exposure(cfg),
+    # Imported here: pcichecks builds on this module's Check.
+    from appliance.pdctl.host.pcichecks import check_acs, check_nic_placement
+
+    return [*check_gpus(cfg, probe), *check_rdma(cfg, probe), *check_nic_placement(cfg, probe),
+            check_acs(cfg, probe), check_memlock(cfg, probe), check_ports(cfg, probe),
+            check_model(cfg, probe), *check_exposure(cfg),
             *check_docker(probe, cfg.stack if cfg is not None else "gpu")]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
 
 from appliance import keys
 from appliance.pdctl import config as cfgmod
@@ -16,7 +17,10 @@ from appliance.pdctl.config import parse_config
 from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.errors import USAGE, ConfigError, PdctlError
 from appliance.pdctl.host.check import host_problems
-from appliance.pdctl.host.probe import split_cpus
+from appliance.pdctl.host.probe import Gpu, HostProbe, RdmaDevice, split_cpus
+from appliance.pdctl.host.topology import GpuSite, assign_nics, role_devices
+
+ROLES = ("prefill", "decode")
 
 
 def _ints(value: str | None, what: str = "GPU") -> list[int] | None:
@@ -112,31 +116,18 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
             raise PdctlError("--model is required (the model directory on this host)", USAGE)
         model_path = click.prompt("model directory on this host")
     stack = stack or ("gpu" if gpus else "cpu")
-    chosen = next((d for d in devices if d.name == rdma_device), None) if rdma_device else \
-        (active[0] if active else None)
     if protocol is None:
         protocol = "rdma" if stack == "gpu" and (rdma_device or active) else "tcp"
     if gpudirect is None:
         gpudirect = "dmabuf" if not probe.peermem_loaded() and probe.dmabuf_usable()[0] \
             else "peermem"
-    if host_ip is None:
-        host_ip = probe.host_ip(chosen.netdevs if chosen else ())
-        if host_ip is None:
-            raise PdctlError("could not detect this host's address; pass --host-ip", USAGE)
     model: dict[str, Any] = {"path": model_path, "tp_size": tp_size}
     for key, value in (("served_name", served_name), ("max_model_len", max_model_len),
                        ("kv_cache_bytes", kv_cache_bytes), ("prefill_tp_size", prefill_tp_size),
                        ("decode_tp_size", decode_tp_size)):
         if value is not None:
             model[key] = value
-    data: dict[str, Any] = {
-        "stack": stack,
-        "host": {"ip": host_ip, **({"name": host_name} if host_name else {})},
-        "model": model,
-        "transfer": {"protocol": protocol, "gpudirect": gpudirect,
-                     "device": (rdma_device or (chosen.name if chosen else ""))
-                     if protocol == "rdma" else ""},
-    }
+    data: dict[str, Any] = {"stack": stack, "model": model}
     ports = {name: port for name, port in (("proxy", proxy_port), ("prefill", prefill_port),
                                            ("decode", decode_port),
                                            ("bootstrap", bootstrap_port)) if port is not None}
@@ -157,6 +148,18 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
                              f"{len(online)}), or --prefill-cpus and --decode-cpus", USAGE)
         data["cpus"] = {"prefill": p, "decode": d}
         placed = f"stack cpu, P CPUs {p}, D CPUs {d}"
+    transfer: dict[str, Any] = {"protocol": protocol, "gpudirect": gpudirect}
+    nics: list[RdmaDevice] = []
+    if protocol == "rdma":
+        nics = _choose_nics(transfer, probe, gpus, devices, rdma_device,
+                            (p, d) if stack == "gpu" else None, out)
+    data["transfer"] = transfer
+    why = "--host-ip"
+    if host_ip is None:
+        host_ip, why = _host_address(probe, nics)
+        if host_ip is None:
+            raise PdctlError("could not detect this host's address; pass --host-ip", USAGE)
+    data["host"] = {"ip": host_ip, **({"name": host_name} if host_name else {})}
     cfg = parse_config(data)
     problems = host_problems(cfg, probe)
     fatal = [p for p in problems if not p.startswith(("model.path", "auth."))]
@@ -171,10 +174,59 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
     except OSError as exc:
         raise PdctlError(f"cannot write {target}: {exc.strerror or exc}") from None
     written = _write_keys(target, rotate=False)
-    out.print(f"pdctl: wrote {target} ({placed}, {protocol}"
-              f"{f' via {cfg.transfer.device}' if protocol == 'rdma' else ''}, host {host_ip})"
-              f" and the node's keys in {written.dir}")
+    via = ""
+    if protocol == "rdma":
+        p_nics, d_nics = cfg.transfer.device_name("prefill"), cfg.transfer.device_name("decode")
+        via = f" via {p_nics}" if p_nics == d_nics else f" via P {p_nics}, D {d_nics}"
+    out.print(f"pdctl: wrote {target} ({placed}, {protocol}{via}, host {host_ip}) and the "
+              f"node's keys in {written.dir}")
+    kv = "Mooncake's handshake goes to host.ip, the KV over RDMA by each NIC's GID" \
+        if protocol == "rdma" else "the KV goes over Mooncake's TCP transport to host.ip"
+    out.print(f"addresses: host.ip {host_ip} ({why}) serves P, D, the bootstrap sidecar and the "
+              f"side channels; the proxy listens on compose.bind ({cfg.compose.bind}:"
+              f"{cfg.ports.proxy}); {kv}")
     out.print("next: pdctl doctor, then pdctl up")
+
+
+def _choose_nics(transfer: dict[str, Any], probe: HostProbe, gpus: list[Gpu],
+                 devices: list[RdmaDevice], pinned: str | None,
+                 roles: tuple[list[int], list[int]] | None, out: Console) -> list[RdmaDevice]:
+    """Fill transfer's devices: --rdma-device for both roles, else per role the NIC nearest
+    each of its GPUs (stack cpu: the first ACTIVE one). Returns the chosen devices."""
+    byname = {dev.name: dev for dev in devices}
+    if pinned:
+        transfer["device"] = pinned
+        out.print(f"RDMA: {pinned} for P and D (--rdma-device)")
+        return [byname[pinned]] if pinned in byname else []
+    if roles is None:
+        first = next((dev for dev in devices if dev.active_ports), None)
+        transfer["device"] = first.name if first else ""
+        return [first] if first else []
+    sites = {s.index: s for s in probe.gpu_sites(gpus)}
+    choices = assign_nics({role: [sites.get(i, GpuSite(i, None)) for i in indices]
+                           for role, indices in zip(ROLES, roles, strict=True)},
+                          [dev.as_nic() for dev in devices])
+    chosen: list[RdmaDevice] = []
+    for role in ROLES:
+        names = role_devices(choices, role)
+        transfer[f"{role}_devices"] = names
+        chosen += [byname[n] for n in names if byname[n] not in chosen]
+        pairs = ", ".join(f"GPU {c.gpu} → {c.nic} ({c.distance.name}: {c.distance.meaning})"
+                          for c in choices if c.role == role)
+        if pairs:
+            out.print(f"RDMA for {role}: {pairs}")
+    return chosen
+
+
+def _host_address(probe: HostProbe, nics: list[RdmaDevice]) -> tuple[str | None, str]:
+    """RoCE: the NIC's netdev address is an ordinary Ethernet address. InfiniBand: its
+    netdev is IPoIB, which clients, the proxy and an Ethernet-only peer may not reach, so
+    the primary address; KV moves by the NIC's GID either way."""
+    ib = [n for n in nics if n.link_layer == "InfiniBand"]
+    if nics and not ib:
+        return probe.host_ip(tuple(dev for n in nics for dev in n.netdevs))
+    ip, why = probe.host_ip()
+    return ip, why + (f"; not {ib[0].name}'s IPoIB netdev" if ib else "")
 
 
 def _write_keys(config: Path, rotate: bool) -> keys.NodeKeys:

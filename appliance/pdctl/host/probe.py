@@ -14,9 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.pdctl.compose.binary import Compose, find_compose
+from appliance.pdctl.host.topology import (
+    GpuSite,
+    Nic,
+    PciLocation,
+    natural_key,
+    normalize_bus_id,
+    parse_rate_gbps,
+    parse_sysfs_path,
+)
 from appliance.pdctl.runner import Runner, SubprocessRunner
 
 UNLIMITED = -1
+# "550.54.15" in nvidia-smi's answer or /proc/driver/nvidia/version's first line.
+_DRIVER = re.compile(r"\s(\d{3,}\.\d+(?:\.\d+)?)\s")
 
 
 @dataclass(frozen=True)
@@ -44,10 +55,38 @@ class RdmaDevice:
     name: str
     ports: tuple[RdmaPort, ...] = ()
     netdevs: tuple[str, ...] = ()
+    location: PciLocation | None = None
 
     @property
     def active_ports(self) -> list[RdmaPort]:
         return [p for p in self.ports if p.active]
+
+    @property
+    def link_layer(self) -> str:
+        port = next(iter(self.active_ports), None) or next(iter(self.ports), None)
+        return port.link_layer if port else ""
+
+    def as_nic(self) -> Nic:
+        rate = max((parse_rate_gbps(p.rate) for p in self.active_ports), default=0.0)
+        return Nic(self.name, self.location, rate, bool(self.active_ports), self.link_layer)
+
+
+@dataclass(frozen=True)
+class Daemon:
+    """A running dockerd as /proc shows it."""
+    pid: int
+    uid: int | None
+    cap_eff: int | None
+    memlock: Memlock | None
+
+    CAP_SYS_RESOURCE = 1 << 24
+
+    @property
+    def can_raise_limits(self) -> bool:
+        """Root with CAP_SYS_RESOURCE in the host's namespace may raise a hard limit (a
+        rootless daemon's capabilities live in its own user namespace and may not)."""
+        return self.uid == 0 and self.cap_eff is not None and \
+            bool(self.cap_eff & self.CAP_SYS_RESOURCE)
 
 
 @dataclass(frozen=True)
@@ -119,6 +158,53 @@ class HostProbe:
         text = self.read("/proc/driver/nvidia/version")
         return text.splitlines()[0].strip() if text else None
 
+    def driver_release(self) -> tuple[str | None, str]:
+        """The NVIDIA driver's version ("580.95.05") and where it was read."""
+        res = self.runner.run(["nvidia-smi", "--query-gpu=driver_version",
+                               "--format=csv,noheader"])
+        if res.ok:
+            m = _DRIVER.search(" " + res.stdout.strip().split("\n", 1)[0] + " ")
+            if m:
+                return m.group(1), "nvidia-smi"
+        m = _DRIVER.search(self.driver_version() or "")
+        return (m.group(1), "/proc/driver/nvidia/version") if m else (None, "")
+
+    def gpu_sites(self, gpus: list[Gpu]) -> list[GpuSite]:
+        return [GpuSite(g.index, self.pci_location(normalize_bus_id(g.bus_id))
+                        if g.bus_id else None) for g in gpus]
+
+    # ---- PCI topology -------------------------------------------------------------------
+
+    def pci_location(self, bdf: str) -> PciLocation | None:
+        """Where a PCI function sits: /sys/bus/pci/devices/<bdf> links into /sys/devices."""
+        return self._location(self.path(f"/sys/bus/pci/devices/{bdf}"))
+
+    def _location(self, link: Path) -> PciLocation | None:
+        if not link.exists():
+            return None
+        real = Path(os.path.realpath(link))
+        try:
+            rel = real.relative_to(Path(os.path.realpath(self.root)))
+        except ValueError:
+            return None
+        loc = parse_sysfs_path("/" + str(rel))
+        if loc is None:
+            return None
+        numa = _text(real / "numa_node")
+        return PciLocation(loc.root, loc.bridges, loc.bdf,
+                           int(numa) if re.fullmatch(r"-?\d+", numa) else -1)
+
+    def acs_control(self, bdf: str) -> tuple[int | None, str]:
+        """A bridge's ACS Control register (setpci), or None and why: "missing" when there is
+        no setpci, else setpci's complaint (no ACS capability, not root)."""
+        res = self.runner.run(["setpci", "-s", bdf, "ECAP_ACS+6.w"])
+        if res.missing:
+            return None, "missing"
+        text = res.stdout.strip()
+        if res.ok and re.fullmatch(r"[0-9a-fA-F]{1,4}", text):
+            return int(text, 16), ""
+        return None, (res.stderr.strip() or text or res.reason())
+
     # ---- CPUs ---------------------------------------------------------------------------
 
     def cpus(self) -> list[int]:
@@ -139,7 +225,7 @@ class HostProbe:
         if not base.is_dir():
             return []
         devices = []
-        for dev in sorted(base.iterdir(), key=lambda p: p.name):
+        for dev in sorted(base.iterdir(), key=lambda p: natural_key(p.name)):
             ports = []
             ports_dir = dev / "ports"
             if ports_dir.is_dir():
@@ -150,7 +236,8 @@ class HostProbe:
                                           _text(port / "rate"), _text(port / "link_layer")))
             net = dev / "device" / "net"
             netdevs = tuple(sorted(p.name for p in net.iterdir())) if net.is_dir() else ()
-            devices.append(RdmaDevice(dev.name, tuple(ports), netdevs))
+            devices.append(RdmaDevice(dev.name, tuple(ports), netdevs,
+                                      self._location(dev / "device")))
         return devices
 
     def rdma_device(self, name: str) -> RdmaDevice | None:
@@ -183,8 +270,8 @@ class HostProbe:
 
     # ---- limits and ports ---------------------------------------------------------------
 
-    def memlock(self) -> Memlock | None:
-        text = self.read("/proc/self/limits")
+    def memlock(self, pid: str = "self") -> Memlock | None:
+        text = self.read(f"/proc/{pid}/limits")
         if text is None:
             return None
         for line in text.splitlines():
@@ -193,6 +280,27 @@ class HostProbe:
                 if len(cols) >= 2:
                     return Memlock(_limit(cols[0]), _limit(cols[1]))
         return None
+
+    def dockerd(self) -> Daemon | None:
+        """The Docker daemon: docker.pid's process if it is dockerd, else the first dockerd
+        in /proc (a rootless one keeps its pid file in $XDG_RUNTIME_DIR)."""
+        pid = (self.read("/var/run/docker.pid") or "").strip()
+        if not (pid.isdigit() and self._comm(pid) == "dockerd"):
+            proc = self.path("/proc")
+            found = sorted(int(p.name) for p in proc.iterdir()
+                           if p.name.isdigit() and self._comm(p.name) == "dockerd") \
+                if proc.is_dir() else []
+            if not found:
+                return None
+            pid = str(found[0])
+        status = self.read(f"/proc/{pid}/status") or ""
+        uid = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
+        cap = re.search(r"^CapEff:\s+([0-9a-fA-F]+)", status, re.MULTILINE)
+        return Daemon(int(pid), int(uid.group(1)) if uid else None,
+                      int(cap.group(1), 16) if cap else None, self.memlock(pid))
+
+    def _comm(self, pid: str) -> str:
+        return (self.read(f"/proc/{pid}/comm") or "").strip()
 
     def listening_ports(self) -> set[int] | None:
         """TCP ports something listens on (IPv4 and IPv6); None when /proc/net is unreadable."""
@@ -211,30 +319,40 @@ class HostProbe:
 
     # ---- addresses ----------------------------------------------------------------------
 
-    def host_ip(self, prefer_netdevs: tuple[str, ...] = ()) -> str | None:
-        """The address peers reach this host at: the RDMA NIC's, else the primary one."""
+    def addresses(self) -> dict[str, str]:
+        """Each interface's first global IPv4 address, in `ip`'s order."""
         res = self.runner.run(["ip", "-j", "-4", "addr", "show"])
-        if res.ok:
-            try:
-                ifaces = json.loads(res.stdout or "[]")
-            except ValueError:
-                ifaces = []
-            addrs: dict[str, str] = {}
-            for iface in ifaces:
-                for info in iface.get("addr_info", []):
-                    if info.get("scope") == "global" and info.get("local"):
-                        addrs.setdefault(iface.get("ifname", ""), info["local"])
-            for dev in prefer_netdevs:
-                if dev in addrs:
-                    return addrs[dev]
-            if addrs:
-                return next(iter(addrs.values()))
+        addrs: dict[str, str] = {}
+        for iface in _json_list(res.stdout if res.ok else ""):
+            for info in iface.get("addr_info", []):
+                if info.get("scope") == "global" and info.get("local"):
+                    addrs.setdefault(iface.get("ifname", ""), info["local"])
+        return addrs
+
+    def default_route_dev(self) -> str | None:
+        res = self.runner.run(["ip", "-j", "route", "show", "default"])
+        routes = _json_list(res.stdout if res.ok else "")
+        return next((r["dev"] for r in routes if r.get("dev")), None)
+
+    def host_ip(self, prefer_netdevs: tuple[str, ...] = ()) -> tuple[str | None, str]:
+        """(address, where it is from): the first of `prefer_netdevs` with an address, else
+        the primary one (the default route's interface, else the first global address)."""
+        addrs = self.addresses()
+        for dev in prefer_netdevs:
+            if dev in addrs:
+                return addrs[dev], f"{dev}, the RDMA NIC's netdev"
+        dev = self.default_route_dev()
+        if dev in addrs:
+            return addrs[dev], f"{dev}, the default route's interface"
+        if addrs:
+            dev, ip = next(iter(addrs.items()))
+            return ip, f"{dev}, the first global address"
         try:  # no packet is sent: connect() on UDP only picks the route's source address
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.connect(("192.0.2.1", 9))
-                return s.getsockname()[0]
+                return s.getsockname()[0], "the default route's source address"
         except OSError:
-            return None
+            return None, ""
 
     # ---- Docker -------------------------------------------------------------------------
 
@@ -269,6 +387,14 @@ def parse_cpu_list(text: str) -> list[int]:
             raise ValueError(f"bad CPU range {part!r}")
         out.update(range(first, last + 1))
     return sorted(out)
+
+
+def _json_list(text: str) -> list[dict]:
+    try:
+        data = json.loads(text or "[]")
+    except ValueError:
+        return []
+    return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
 
 
 def _text(path: Path) -> str:
