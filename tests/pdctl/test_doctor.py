@@ -54,6 +54,9 @@ def test_no_peermem(doctor, host):
     assert "nvidia_peermem is not loaded" in check["detail"] and "Bad address" in check["detail"]
     assert check["fix"].startswith("modprobe nvidia_peermem")
     assert "/etc/modules-load.d/nvidia-peermem.conf" in check["fix"]
+    # auto (the default) would take DMA-BUF too: the fix names what that needs
+    assert "for DMA-BUF, NVIDIA's open kernel modules (the NVIDIA driver is the proprietary" \
+        in check["fix"]
 
 
 def test_no_peermem_but_dmabuf_usable(doctor, host):

@@ -18,7 +18,7 @@ def test_init_detects_gpus_rdma_and_address(pdctl, tmp_path):
     cfg = load_config(out)
     assert cfg.host.ip == "192.168.1.20"  # the default route's eno1, not InfiniBand's ib0
     assert (cfg.gpus.prefill, cfg.gpus.decode) == ([0], [1])
-    assert (cfg.transfer.protocol, cfg.transfer.gpudirect) == ("rdma", "peermem")
+    assert (cfg.transfer.protocol, cfg.transfer.gpudirect) == ("rdma", "auto")
     assert (cfg.transfer.prefill_devices, cfg.transfer.decode_devices) == (["mlx5_0"],
                                                                             ["mlx5_0"])
     assert cfg.model.path == "/models/qwen" and cfg.model.name == "qwen"
@@ -56,12 +56,21 @@ def test_init_without_active_rdma_port_picks_tcp(pdctl, tmp_path, host):
     assert load_config(out).transfer.protocol == "tcp"
 
 
-def test_init_prefers_dmabuf_when_peermem_is_missing_and_dmabuf_works(pdctl, tmp_path, host):
+def test_init_leaves_gpudirect_to_the_preflight_and_doctor_finds_dmabuf(pdctl, tmp_path, host):
+    """A DMA-BUF-only host (no nvidia_peermem, open kernel modules): init writes auto, the
+    containers' preflight takes DMA-BUF, and doctor says so; --gpudirect pins a path."""
     host.no_peermem()
     host.open_kernel_modules()
     out = tmp_path / "host.toml"
     assert pdctl("init", "--out", str(out), "--model", "/models/qwen").exit_code == 0
-    assert load_config(out).transfer.gpudirect == "dmabuf"
+    assert load_config(out).transfer.gpudirect == "auto"
+    res = pdctl("doctor", "--config", str(out), "--json")
+    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert checks["GPUDirect RDMA"]["detail"].startswith("DMA-BUF usable")
+    pinned = tmp_path / "pinned.toml"
+    assert pdctl("init", "--out", str(pinned), "--model", "/models/qwen",
+                 "--gpudirect", "peermem").exit_code == 0
+    assert load_config(pinned).transfer.gpudirect == "peermem"
 
 
 def test_init_rejects_a_gpu_the_host_lacks(pdctl, tmp_path):

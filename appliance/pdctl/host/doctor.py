@@ -232,7 +232,8 @@ def check_gpudirect(cfg: HostConfig | None, probe: HostProbe) -> Check:
         return _fail(name, f"DMA-BUF not usable: {why}",
                      "install the NVIDIA open kernel modules (driver >= 515, Linux >= 5.12), or "
                      "set transfer.gpudirect = \"peermem\" and load nvidia_peermem")
-    alt = " or set transfer.gpudirect = \"dmabuf\" (usable here)" if dmabuf else ""
+    alt = " or set transfer.gpudirect = \"dmabuf\" (usable here)" if dmabuf else \
+        f" or, for DMA-BUF, NVIDIA's open kernel modules ({why})" if mode == "auto" else ""
     return _fail(name, "nvidia_peermem is not loaded: memory registration would fail with "
                  "\"Bad address\"",
                  "modprobe nvidia_peermem, and keep it across reboots with "

@@ -59,9 +59,11 @@ def _ints(value: str | None, what: str = "GPU") -> list[int] | None:
               help="D's TP size when it differs from P's (default: --tp-size)")
 @click.option("--protocol", type=click.Choice(["rdma", "tcp"]),
               help="KV transport (default: rdma when an RDMA port is ACTIVE, else tcp)")
-@click.option("--rdma-device", help="RDMA device (default: the first with an ACTIVE port)")
-@click.option("--gpudirect", type=click.Choice(["peermem", "dmabuf"]),
-              help="GPUDirect path (default: peermem when loaded, else dmabuf when usable)")
+@click.option("--rdma-device", help="one RDMA device for P and D (default: each role's NICs "
+              "nearest its GPUs, from the PCIe tree)")
+@click.option("--gpudirect", type=click.Choice(["auto", "peermem", "dmabuf"]), default="auto",
+              show_default=True, help="GPUDirect path: auto lets each container's preflight "
+              "take the one it finds usable (nvidia_peermem, else DMA-BUF)")
 @click.option("--proxy-port", type=click.IntRange(1, 65535), help="default 8000")
 @click.option("--prefill-port", type=click.IntRange(1, 65535), help="default 8010")
 @click.option("--decode-port", type=click.IntRange(1, 65535), help="default 8020")
@@ -78,7 +80,7 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
          decode_gpus: str | None, prefill_cpus: str | None, decode_cpus: str | None,
          max_model_len: int | None, kv_cache_bytes: int | None, tp_size: int,
          prefill_tp_size: int | None, decode_tp_size: int | None, protocol: str | None,
-         rdma_device: str | None, gpudirect: str | None,
+         rdma_device: str | None, gpudirect: str,
          proxy_port: int | None, prefill_port: int | None, decode_port: int | None,
          bootstrap_port: int | None, rotate_keys: bool, force: bool, no_input: bool) -> None:
     """Detect this host's GPUs (or CPUs), RDMA devices and address, and write its config
@@ -118,9 +120,6 @@ def init(ctx: click.Context, out_path: Path | None, config_path: Path | None,
     stack = stack or ("gpu" if gpus else "cpu")
     if protocol is None:
         protocol = "rdma" if stack == "gpu" and (rdma_device or active) else "tcp"
-    if gpudirect is None:
-        gpudirect = "dmabuf" if not probe.peermem_loaded() and probe.dmabuf_usable()[0] \
-            else "peermem"
     model: dict[str, Any] = {"path": model_path, "tp_size": tp_size}
     for key, value in (("served_name", served_name), ("max_model_len", max_model_len),
                        ("kv_cache_bytes", kv_cache_bytes), ("prefill_tp_size", prefill_tp_size),
