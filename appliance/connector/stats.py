@@ -17,9 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 # cluster's), handshake (not CURVE, or not with our server key), invalid (undecodable),
 # size, entries, blocks (beyond D's cache), session (a Mooncake session not D's own).
 REJECT_REASONS = ("auth", "handshake", "invalid", "size", "entries", "blocks", "session")
+# The Mooncake transport a worker installed, counted once per worker (its first snapshot), so
+# workers' reports add up like the counters do.
+TRANSPORTS = ("tcp", "rdma")
 _COUNTERS = ("transfers", "bytes", "descriptors", "seconds", "failures", "expired",
              "recv_ok", "recv_failed", "rejected", *(f"rejected_{r}" for r in REJECT_REASONS),
-             "peers_opened", "peers_closed")
+             "peers_opened", "peers_closed", *(f"transport_{t}" for t in TRANSPORTS))
 
 
 @dataclass
@@ -89,6 +92,11 @@ class TransferStats:
     def record_peer(self, opened: bool) -> None:
         self._add(**({"peers_opened": 1} if opened else {"peers_closed": 1}))
 
+    def record_transport(self, transport: str) -> None:
+        """Once per worker, after Mooncake started: what it installed."""
+        assert transport in TRANSPORTS, transport
+        self._add(**{f"transport_{transport}": 1})
+
     def snapshot(self) -> PDConnectorStats | None:
         """The counts since the last snapshot, or None when nothing happened."""
         with self._lock:
@@ -120,11 +128,30 @@ PROM_COUNTERS = {
 }
 
 
+# 1 on the series of the transport this server's workers installed, 0 on the other.
+PROM_TRANSPORT = ("vllm:pd_kv_transport_info",
+                  "Mooncake transport this server's KV moves over (1: installed).")
+
+
+def _configured_transport(vllm_config: Any) -> tuple[str, str]:
+    """(role, protocol) from the kv-transfer config: a worker whose installed transport is
+    not its protocol stops the server's start (transfers.mooncake), so a server that answers
+    runs its protocol until its workers' own report (first engine step) says otherwise."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    role = {"kv_producer": "producer", "kv_consumer": "consumer"}.get(
+        str(getattr(kv, "kv_role", "")), "")
+    protocol = str(dict(getattr(kv, "kv_connector_extra_config", None) or {}).get(
+        "protocol", "tcp"))
+    return role, protocol
+
+
 def build_prom_metrics(vllm_config: Any, metric_types: dict, labelnames: list[str],
                        per_engine_labelvalues: dict[int, list[object]]) -> Any:
-    from prometheus_client import Counter
+    from prometheus_client import Counter, Gauge
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
     from vllm.v1.metrics.utils import create_metric_per_engine
+
+    role, protocol = _configured_transport(vllm_config)
 
     class PDPromMetrics(KVConnectorPromMetrics):
         def __init__(self) -> None:
@@ -135,11 +162,25 @@ def build_prom_metrics(vllm_config: Any, metric_types: dict, labelnames: list[st
                     counter_cls(name=name, documentation=doc, labelnames=labelnames),
                     per_engine_labelvalues)
                 for key, (name, doc) in PROM_COUNTERS.items()}
+            name, doc = PROM_TRANSPORT
+            info = metric_types[Gauge](name=name, documentation=doc, multiprocess_mode="mostrecent",
+                                       labelnames=[*labelnames, "role", "transport"])
+            self.transport = {idx: {t: info.labels(*values, role, t) for t in TRANSPORTS}
+                              for idx, values in per_engine_labelvalues.items()}
+            for idx in self.transport:
+                self._set_transport(idx, protocol)
+
+        def _set_transport(self, engine_idx: int, installed: str) -> None:
+            for t, gauge in self.transport[engine_idx].items():
+                gauge.set(1 if t == installed else 0)
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             for key, per_engine in self.counters.items():
                 value = transfer_stats_data.get(key, 0)
                 if value:
                     per_engine[engine_idx].inc(value)
+            for t in TRANSPORTS:
+                if transfer_stats_data.get(f"transport_{t}"):
+                    self._set_transport(engine_idx, t)
 
     return PDPromMetrics()

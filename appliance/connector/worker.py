@@ -186,13 +186,15 @@ class PDWorker:
         self.stats = TransferStats()
         self.transport = MooncakeTransport()
         self.transport.start(self.host, settings.protocol, settings.device_name)
+        self.stats.record_transport(self.transport.transport)  # /metrics, `pdctl status`
         self.loop = LoopThread(f"pd-{settings.role}-tp{self.tp_rank}")
         self.side: Any = None
         self._device: Any = None
         self._ready = ReadySends()
         self._preemptions_seen: PDConnectorMetadata | None = None
-        log.info("%s worker tp %d/%d: Mooncake %s session %s", settings.role, self.tp_rank,
-                 self.tp_size, settings.protocol, self.transport.session_id)
+        log.info("%s %s worker tp %d/%d: Mooncake %s session %s", settings.role,
+                 settings.engine_id, self.tp_rank, self.tp_size, self.transport.transport,
+                 self.transport.session_id)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         regions, infos = kv_regions(kv_caches, self.num_blocks, self.group_of, self.kv_heads)

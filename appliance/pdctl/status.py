@@ -142,6 +142,18 @@ _TRANSFER_COUNTERS = {
 }
 
 
+# 1 on the series of the Mooncake transport a P or D server's workers installed.
+_TRANSPORT_INFO = "vllm:pd_kv_transport_info"
+
+
+def transport(samples: list[tuple[str, dict[str, str], float]]) -> str | None:
+    """The transport a P or D server reports, "rdma" or "tcp" (both, comma-separated, when
+    its engines differ); None when it reports none."""
+    names = {labels.get("transport", "?") for n, labels, v in samples
+             if n == _TRANSPORT_INFO and v == 1}
+    return ",".join(sorted(names)) or None
+
+
 def counters(samples: list[tuple[str, dict[str, str], float]],
              named: Sequence[tuple[str, str]], prefix: str = "") -> dict[str, float]:
     """{prefix + label: the series' sum} for each (label, metric) present."""
@@ -199,6 +211,8 @@ def gather(endpoints: Endpoints, processes: Mapping[str, ProcessState] | None, m
                 value = sum_samples(samples, metric)
                 if value is not None:
                     parts.append(f"{label} {value:.0f}")
+            if kind := transport(samples):
+                parts.append(f"transport {kind}")
             transfers = counters(samples, _TRANSFER_COUNTERS[name], f"{name}.")
             status.counters.update(transfers)
             parts += [f"{k.split('.', 1)[1]} {v:.0f}" for k, v in transfers.items()]

@@ -1,4 +1,5 @@
-"""Fixtures of the connector tests: a real bootstrap sidecar on loopback."""
+"""Fixtures of the connector tests: a real bootstrap sidecar on loopback; a clean
+MC_FORCE_TCP around each test."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import pytest
 from aiohttp import web
 
 from appliance.bootstrap import BootstrapSettings, build_app
+
+
+@pytest.fixture(autouse=True)
+def no_force_tcp(monkeypatch) -> None:
+    """A tcp transport sets MC_FORCE_TCP in this process (transfers.mooncake): each test
+    starts without it, and what it set is undone after."""
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
 
 
 @pytest.fixture

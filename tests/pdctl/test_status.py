@@ -77,6 +77,24 @@ def test_table_output(pdctl, write_config, node, docker):
         assert text in res.stdout, text
 
 
+def transport_info(role: str, installed: str) -> str:
+    """The connector's transport series (appliance/connector/stats.py) as vLLM exports it."""
+    rows = "".join(f'vllm:pd_kv_transport_info{{engine="0",model_name="qwen",role="{role}",'
+                   f'transport="{t}"}} {1.0 if t == installed else 0.0}\n'
+                   for t in ("tcp", "rdma"))
+    return "# TYPE vllm:pd_kv_transport_info gauge\n" + rows
+
+
+def test_prefill_and_decode_show_their_transport(status, node):
+    node.prefill.extra_metrics = transport_info("producer", "rdma")
+    node.decode.extra_metrics = transport_info("consumer", "tcp")
+    _, body, _ = status()
+    by_name = {s["name"]: s for s in body["services"]}
+    assert by_name["prefill"]["detail"] == "running 1, waiting 0, transport rdma, transfers 41, " \
+        "transfer_failures 2"
+    assert "transport tcp, received 40" in by_name["decode"]["detail"]
+
+
 def test_unhealthy_decode(status, node, docker):
     node.decode.healthy = False
     docker[0].containers[2].health = "unhealthy"

@@ -4,14 +4,22 @@ Everything the connector asks of Mooncake goes through ``MooncakeTransport``: st
 register KV memory, write descriptor batches to a peer, probe a peer. Mooncake answers with bare
 return codes (details go to its own stderr log), so each failure becomes a ``TransferError``
 saying which call, which peer and what usually causes it.
+
+Which transport Mooncake installs is not what ``protocol`` says: its engine discovers RDMA
+devices itself and installs RDMA whenever one is usable, TCP otherwise, unless ``MC_FORCE_TCP``
+exists (any value). So ``tcp`` sets ``MC_FORCE_TCP``, and ``rdma`` checks after start-up that
+RDMA is what got installed (``installed_transport``), failing start-up otherwise.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +27,11 @@ from typing import Any
 from appliance.connector.planning.descriptors import MAX_BATCH_DESCS, Descriptors, split_batches
 from appliance.netaddr import host_port
 
+log = logging.getLogger("vllm.appliance.connector.mooncake")
+
 PROTOCOLS = ("tcp", "rdma")
+FORCE_TCP = "MC_FORCE_TCP"
+_FALSE_WORDS = ("", "0", "false", "no", "off")
 
 _RDMA_REGISTER_HINT = (
     "with rdma on GPU memory, 'Bad address' in Mooncake's log means GPUDirect RDMA is missing: "
@@ -62,6 +74,89 @@ def _check_rdma_devices(device_name: str, sys_root: Path) -> None:
         )
 
 
+def force_tcp_env(protocol: str, environ: MutableMapping[str, str]) -> None:
+    """Make this process's environment say what ``protocol`` says, before the engine exists.
+
+    Mooncake's init only asks whether MC_FORCE_TCP exists (``getenv``, any value, "0" too),
+    then skips discovery and installs TCP. tcp: set it unless already there (any value
+    already forces). rdma: a false-looking value ("0", "false") meant "do not force", which
+    Mooncake would misread, so it is dropped; a true one contradicts rdma and is an error.
+    """
+    value = environ.get(FORCE_TCP)
+    if protocol == "tcp":
+        environ.setdefault(FORCE_TCP, "1")
+    elif value is not None:
+        if value.strip().lower() not in _FALSE_WORDS:
+            raise TransferError(
+                f"protocol rdma, but {FORCE_TCP}={value!r} is set, which makes Mooncake move "
+                f'KV over TCP: unset {FORCE_TCP}, or use protocol "tcp"'
+            )
+        del environ[FORCE_TCP]
+        log.warning("%s=%r removed from this process's environment: Mooncake forces TCP "
+                    "whenever the variable exists, whatever its value", FORCE_TCP, value)
+
+
+def topology_hcas(topology: str) -> list[str]:
+    """RDMA devices in Mooncake's topology JSON (``{location: [[preferred], [other]]}``)."""
+    try:
+        matrix = json.loads(topology or "{}")
+    except ValueError:
+        return []
+    names: set[str] = set()
+    for entry in matrix.values() if isinstance(matrix, dict) else ():
+        for group in entry if isinstance(entry, list) else ():
+            names.update(str(n) for n in (group if isinstance(group, list) else ()))
+    return sorted(names)
+
+
+def installed_transport(environ: Mapping[str, str], hcas: Sequence[str], *,
+                        mnnvl: bool = False, intra_nvlink: bool = False) -> str:
+    """The transport Mooncake's ``TransferEngineImpl::init`` installs, in its order:
+    MC_FORCE_TCP (present) wins; builds with intra-node NVLink take it on
+    MC_INTRANODE_NVLINK; MNNVL builds take NVLink on MC_FORCE_MNNVL or when no HCA was found;
+    then RDMA when discovery found an HCA (or MC_FORCE_HCA), else TCP."""
+    if FORCE_TCP in environ:
+        return "tcp"
+    if intra_nvlink and "MC_INTRANODE_NVLINK" in environ:
+        return "nvlink_intra"
+    if mnnvl and ("MC_FORCE_MNNVL" in environ or not hcas):
+        return "nvlink"
+    return "rdma" if hcas or "MC_FORCE_HCA" in environ else "tcp"
+
+
+def _mooncake_engine() -> Any:
+    from mooncake.engine import TransferEngine  # lazy: the import loads native libraries
+
+    return TransferEngine()
+
+
+def _probe_transport(engine: Any, device_name: str) -> tuple[str, list[str]]:
+    """(installed transport, HCAs) of a started engine. Mooncake has no call naming its
+    installed transport; ``get_local_topology(device_name)`` runs the same discovery (same
+    filter, same environment) on a throwaway engine, so its HCAs are the ones ours found."""
+    if FORCE_TCP in os.environ:  # init returned before discovery: nothing to probe
+        return "tcp", []
+    hcas = topology_hcas(engine.get_local_topology(device_name))
+    build = sys.modules.get("mooncake.engine")
+    return installed_transport(os.environ, hcas,
+                               mnnvl=bool(getattr(build, "SUPPORT_MNNVL", False)),
+                               intra_nvlink=bool(getattr(build, "SUPPORT_INTRA_NVLINK", False))
+                               ), hcas
+
+
+def _not_rdma(transport: str, device_name: str) -> TransferError:
+    among = f" among {device_name!r}" if device_name else ""
+    if transport == "nvlink_intra" or "MC_FORCE_MNNVL" in os.environ:
+        why = "MC_INTRANODE_NVLINK or MC_FORCE_MNNVL is set"
+    else:
+        why = (f"it found no usable RDMA device{among} (one whose /dev/infiniband node opens "
+               "read-write, with an ACTIVE port)")
+    return TransferError(
+        f"protocol rdma asked, but Mooncake installed {transport}: {why}; check the NIC, "
+        f'device_name and the container\'s /dev/infiniband, or use protocol "tcp"'
+    )
+
+
 class MooncakeTransport:
     """One TransferEngine per worker process: ``start``, ``register``, then ``write``.
 
@@ -71,10 +166,12 @@ class MooncakeTransport:
     Writes to different peers run in parallel (Mooncake releases the GIL while it waits).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, engine_factory: Callable[[], Any] = _mooncake_engine) -> None:
+        self._new_engine = engine_factory  # the seam tests replace
         self._engine: Any = None
         self._host = ""
         self._protocol = ""
+        self._transport = ""
         self._rpc_port = 0
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()
@@ -87,18 +184,20 @@ class MooncakeTransport:
 
         ``host`` must be an address peers can reach: Mooncake accepts any string here and only
         peers' writes would fail. For rdma the devices are checked under ``sys_root`` first,
-        because Mooncake starts (and "registers" memory) without any RDMA device present.
+        because Mooncake starts (and "registers" memory) without any RDMA device present, and
+        the transport it installed is checked after (``transport``).
         """
         if self._engine is not None:
             raise TransferError("transport already started")
         if protocol not in PROTOCOLS:
             raise TransferError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        force_tcp_env(protocol, os.environ)
+        # Mooncake splits on "," and matches names exactly: " mlx5_1" would name no device.
+        device_name = ",".join(d.strip() for d in device_name.split(",") if d.strip())
         if protocol == "rdma":
             _check_rdma_devices(device_name, Path(sys_root))
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # Mooncake logs INFO lines per call
-        from mooncake.engine import TransferEngine  # lazy: the import loads native libraries
-
-        engine = TransferEngine()
+        engine = self._new_engine()
         ret = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if ret != 0:
             hint = (
@@ -109,14 +208,27 @@ class MooncakeTransport:
             raise TransferError(
                 f"Mooncake initialize({host!r}, {protocol!r}) returned {ret}: {hint}"
             )
+        transport, hcas = _probe_transport(engine, device_name)
+        if protocol == "rdma" and transport != "rdma":
+            raise _not_rdma(transport, device_name)  # the engine goes with this frame
+        if unusable := [d for d in device_name.split(",") if hcas and d and d not in hcas]:
+            log.warning("Mooncake skipped %s (not usable: no /dev/infiniband node or no ACTIVE "
+                        "port); KV moves over %s only", ",".join(unusable), ",".join(hcas))
         self._engine = engine
-        self._host, self._protocol = host, protocol
+        self._host, self._protocol, self._transport = host, protocol, transport
         self._rpc_port = int(engine.get_rpc_port())
+        log.info("Mooncake session %s: %s installed (asked %s%s)", self.session_id, transport,
+                 protocol, f", HCAs {','.join(hcas)}" if hcas else "")
         return self.session_id
 
     @property
     def started(self) -> bool:
         return self._engine is not None
+
+    @property
+    def transport(self) -> str:
+        """The transport Mooncake installed ("tcp" or "rdma"); "" before start."""
+        return self._transport
 
     @property
     def rpc_port(self) -> int:
@@ -219,3 +331,4 @@ class MooncakeTransport:
             self.unregister_all()
         finally:
             self._engine = None
+            self._transport = ""
