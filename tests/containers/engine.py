@@ -252,3 +252,28 @@ def build_images(engine: DockerEngine, log: Path) -> dict[str, float]:
                 raise RuntimeError(f"{' '.join(argv)} failed: {' | '.join(tail)}")
         times[name] = time.monotonic() - begin
     return times
+
+
+GPU_TAG = "0.1.0"
+
+
+def build_gpu_images(engine: DockerEngine, log: Path, timeout: float = 3600) -> dict[str, float]:
+    """The local Debian base and every GPU-stack image, as a host without NVIDIA's registry
+    builds them (the CUDA libraries from the torch and nvidia-* wheels); seconds per step.
+    The vLLM image's build proves what its start needs (pd-gpu-stack-check)."""
+    times = {}
+    # --force-rm: a failed step's container (holding a 9 GB layer) goes too.
+    env = {**engine.env, "DOCKER_BUILD_FLAGS": "--network host --force-rm",
+           "CUDA_BASE_IMAGE": LOCAL_BASE, "SLIM_BASE_IMAGE": LOCAL_BASE}
+    steps = [("base", [str(ROOT / "images/local-base.sh"), LOCAL_BASE], 900),
+             ("images", [str(ROOT / "images/build.sh"), "--stack", "gpu", GPU_TAG], timeout)]
+    for name, argv, limit in steps:
+        begin = time.monotonic()
+        with log.open("ab") as out:
+            res = subprocess.run(argv, stdout=out, stderr=out, env=env, timeout=limit,
+                                 cwd=ROOT)
+        if res.returncode:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"{' '.join(argv)} failed: {' | '.join(tail)}")
+        times[name] = time.monotonic() - begin
+    return times

@@ -31,13 +31,7 @@ from appliance.process import (
 )
 from tests import netlisten
 from tests.conftest import free_port
-from tests.containers.engine import (
-    DockerEngine,
-    EngineUnavailable,
-    build_images,
-    cache_dir,
-    ensure_packages,
-)
+from tests.containers.engine import DockerEngine, build_images
 from tests.e2e.observe import metric, remote_decisions
 
 try:
@@ -87,21 +81,12 @@ def answer(base: str, path: str, body: dict, timeout: float = 120) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("engine")
-    try:
-        ensure_packages(logs / "apt.log")
-        eng = DockerEngine(cache_dir() / "docker")
-        eng.start()
-    except EngineUnavailable as exc:
-        pytest.skip(f"no Docker Engine here: {exc}")
-    try:
-        times = build_images(eng, logs / "build.log")
-        print(f"\nimages: {', '.join(f'{k} {v:.0f} s' for k, v in times.items())}")
-        yield eng
-    finally:
-        left = eng.stop()
-        assert not left, f"the engine left behind: {left}"
+def engine(docker_engine, tmp_path_factory):
+    """The module's engine (conftest.py: stopped after the module, nothing left) with the
+    Debian base and every CPU-stack image built."""
+    times = build_images(docker_engine, tmp_path_factory.mktemp("build") / "build.log")
+    print(f"\nimages: {', '.join(f'{k} {v:.0f} s' for k, v in times.items())}")
+    return docker_engine
 
 
 @pytest.fixture(scope="module")

@@ -366,3 +366,39 @@ def test_gpu_image_turns_flashinfers_sampler_off_and_its_build_proves_it():
     default = subprocess.run(["sh", "-c", step.group(1)], capture_output=True, text=True,
                              timeout=120, env=base)
     assert default.returncode != 0 and "does not read as off" in default.stderr
+
+
+def _env_block(text: str) -> str:
+    """Every ENV instruction of a Dockerfile, continuation lines joined."""
+    joined = text.replace("\\\n", " ")
+    return "\n".join(line for line in joined.splitlines() if line.startswith("ENV "))
+
+
+def test_gpu_image_proves_its_stack_and_asks_the_nvidia_runtime_like_cuda_images():
+    """A Debian or Ubuntu base must behave as NVIDIA's CUDA base does for the container
+    runtime: the vLLM image (GPU only) sets what the CUDA images set, and its build runs
+    pd-gpu-stack-check after the installs; neither reaches the CPU stack's images."""
+    vllm = (ROOT / "images/vllm/Dockerfile").read_text()
+    env = _env_block(vllm)
+    for var in ("NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+                'NVIDIA_REQUIRE_CUDA="cuda>=13.0"', "PD_MIN_DRIVER=580.65.06"):
+        assert f" {var} " in f" {env} ".replace("\n", " "), var
+    assert "COPY images/base/pd-gpu-stack-check.sh /usr/local/bin/pd-gpu-stack-check" in vllm
+    run = vllm.index("pd-gpu-stack-check /opt/venv/bin/python")
+    assert vllm.index('"${MOONCAKE_PACKAGE}==${MOONCAKE_VERSION}"') < run
+    assert vllm.index("VLLM_USE_FLASHINFER_SAMPLER=0") < run
+    for other in ("images/base/Dockerfile", "images/vllm-cpu/Dockerfile", "images/slim/Dockerfile"):
+        text = (ROOT / other).read_text()
+        assert "NVIDIA_" not in _env_block(text) and "pd-gpu-stack-check" not in text, other
+
+
+def test_gpu_stack_check_refuses_a_torch_that_is_not_a_cuda_13_build():
+    """The check runs against the GPU image's venv at build (tests/containers builds it);
+    here, on this CPU venv's torch, it stops at once and says why."""
+    pytest.importorskip("torch")
+    res = subprocess.run(["sh", str(ROOT / "images/base/pd-gpu-stack-check.sh"), sys.executable],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "is not a CUDA 13 build" in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "pd-gpu-stack-check: error: the imports failed (above)")
