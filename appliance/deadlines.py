@@ -6,7 +6,7 @@ and recomputes a prompt P is still computing (the prompt computed twice, P's wor
 away, and overload on P spreading to D). So D's receive deadline is `prefill_s +
 transfer_s`, and the proxy sends it with each request (`recv_timeout_ms` in D's
 `kv_transfer_params`): what D was configured with is only the default for callers that
-send none. D tells P its deadline (seeds step 21); P starts no write after that deadline
+send none. D tells P its deadline (docs/protocol.md step 21); P starts no write after that deadline
 less a margin (a write must end before D gives up, not merely start), and waits for a
 prefill D asked about as long as D waits. The margin is at most WRITE_MARGIN_MAX_S, and
 `transfer_s` is at least that, so a P that answered within `prefill_s` always writes.

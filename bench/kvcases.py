@@ -2,7 +2,7 @@
 P/D of different TP, each moved by our planner + transport and, in the same run, by a raw
 Mooncake batch write of descriptors written out by hand from the known layout.
 
-- gqa:     the seeds' Qwen3-8B (36 layers, 8 KV heads x 128, block 16), for reference
+- gqa:     docs/protocol.md's Qwen3-8B (36 layers, 8 KV heads x 128, block 16), for reference
 - mla:     DeepSeek-V3's latent (61 layers, one 576-wide latent, block 64 as FlashMLA's)
 - sliding: gpt-oss-120b (36 layers, 8 KV heads x 64, every other layer a 128-token window):
            full layers move every block, window layers only the window's last blocks

@@ -1,7 +1,8 @@
 """The connector's KV transfer path vs a raw Mooncake batch write vs memcpy, in one run.
 
-The seeds' scenario (Qwen3-8B: 36 layers, 8 KV heads, head_dim 128, bf16, block 16): P sends
-its blocks 17..79 into D's blocks 512..574, 63 blocks = 141.75 MiB, in vLLM's CPU KV layout.
+docs/protocol.md's example (Qwen3-8B: 36 layers, 8 KV heads, head_dim 128, bf16, block 16):
+P sends its blocks 17..79 into D's blocks 512..574, 63 blocks = 141.75 MiB, in vLLM's CPU KV
+layout.
 D runs in its own process, P in another, over Mooncake TCP on loopback:
 
 - ours:   descriptors.build_descriptors (timed) + MooncakeTransport.write

@@ -1,4 +1,5 @@
-"""The bootstrap sidecar: engine id -> workers' side-channel addresses (seeds steps 2, 4, 7, 20).
+"""The bootstrap sidecar: engine id -> workers' side-channel addresses (docs/protocol.md
+steps 2, 4, 7, 20).
 
 Wire-compatible with vLLM's MooncakeConnector bootstrap, so vLLM's example proxy and ours
 both read it; adds TTL expiry, DELETE for clean shutdown, an optional shared token and

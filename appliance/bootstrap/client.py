@@ -1,5 +1,5 @@
 """Client of the bootstrap sidecar, used by prefill workers (register, refresh, delete) and by
-decode workers (query). Seeds steps 4 and 20."""
+decode workers (query). docs/protocol.md steps 4 and 20."""
 
 from __future__ import annotations
 

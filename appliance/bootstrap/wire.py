@@ -1,7 +1,7 @@
 """Wire shapes of the bootstrap sidecar, compatible with vLLM's MooncakeConnector bootstrap.
 
-Seeds step 4 (`POST /register`) and steps 7/20 (`GET /query`). JSON object keys in `/query`
-are strings (`{"0": {"engine_id": ..., "worker_addr": {"0": {"0": "tcp://ip:port"}}}}`).
+docs/protocol.md step 4 (`POST /register`) and steps 7/20 (`GET /query`). JSON object keys
+in `/query` are strings (`{"0": {"engine_id": ..., "worker_addr": {"0": {"0": "tcp://ip:port"}}}}`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ADDR_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
 class Registration(msgspec.Struct, frozen=True):
-    """Body of `POST /register` (seeds step 4)."""
+    """Body of `POST /register` (protocol step 4)."""
 
     engine_id: EngineId
     addr: str

@@ -63,8 +63,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         """Layer-compact, block-contiguous pages (LBHNC): each layer is one region whose
-        consecutive blocks touch, so a run of blocks becomes one descriptor (seeds step 28).
-        Any other layout still transfers correctly, with more descriptors."""
+        consecutive blocks touch, so a run of blocks becomes one descriptor
+        (docs/protocol.md step 28). Any other layout still transfers correctly, with more
+        descriptors."""
         model_config = getattr(vllm_config, "model_config", None)
         if model_config is None or model_config.use_mla:
             return None

@@ -1,7 +1,7 @@
 """What the scheduler side hands the worker side each step (inside SchedulerOutput).
 
-Built by `scheduler.PDScheduler.build_connector_meta` (seeds steps 13, 18, 26) and read by
-`worker.PDWorker` in `start_load_kv` / `wait_for_save` (steps 14, 19, 27).
+Built by `scheduler.PDScheduler.build_connector_meta` (docs/protocol.md steps 13, 18, 26)
+and read by `worker.PDWorker` in `start_load_kv` / `wait_for_save` (steps 14, 19, 27).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ReleaseSpec:
 class PDConnectorMetadata(KVConnectorMetadata):
     # Producer: requests whose prompt KV is complete once this step's forward has run,
     # req_id -> (transfer_id, block ids per KV-cache group). The worker may push right after
-    # the forward (wait_for_save), one scheduler step earlier than the reference (seeds 26).
+    # the forward (wait_for_save), one scheduler step earlier than the reference (protocol step 26).
     ready_sends: dict[str, tuple[str, list[list[int]]]] = field(default_factory=dict)
     # Producer: requests whose blocks the scheduler now holds for the worker; the worker
     # reports them in finished_sending once their transfer is over (step 32).

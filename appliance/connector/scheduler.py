@@ -2,7 +2,8 @@
 
 Producer (P): computes the prompt locally, tells its worker which blocks hold the prompt's
 KV as soon as the step that completes the prefill is scheduled, and holds those blocks
-after the request finishes until the worker reports the transfer over (seeds 12, 23, 33).
+after the request finishes until the worker reports the transfer over (docs/protocol.md
+steps 12, 23, 33).
 Unlike the reference, KV is sent whatever the finish reason (EOS or a stop string as the
 single token included), and a request that ends before its KV exists is reported to the
 worker at once so the decode node does not wait for a timeout. With `send_on_stop: false`
@@ -65,7 +66,7 @@ def pull_block_ids(new_blocks: list[int], held: int, covered: int,
     """D's blocks that P's KV fills when P's prompt is `covered` tokens long.
 
     `new_blocks` follow `held` blocks of local prefix hit. D's prompt may run past P's
-    (the proxy's first-token mode appends P's token, which seeds steps 24-25 discard): D
+    (the proxy's first-token mode appends P's token, which protocol steps 24-25 discard): D
     asks only for the blocks P holds, so P's last block lines up with D's (the sender
     right-aligns them).
     """
@@ -140,7 +141,7 @@ class PDScheduler:
             params["do_remote_prefill"] = False
             return 0, False
         count = prompt_len - num_computed_tokens
-        # Seeds step 17: the whole (uncached) prompt arrives asynchronously.
+        # Protocol step 17: the whole (uncached) prompt arrives asynchronously.
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -170,7 +171,7 @@ class PDScheduler:
                 log.warning("req %s: do_remote_decode without transfer_id; KV will not be "
                             "sent", request.request_id)
                 return
-            if request.request_id not in self._sends:  # seeds step 12
+            if request.request_id not in self._sends:  # protocol step 12
                 self._sends[request.request_id] = _Send(request, transfer_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
@@ -195,7 +196,7 @@ class PDScheduler:
             if send is None:
                 return False, None
             if send.ready:
-                # Seeds step 23, whatever the finish reason: the KV exists, so it is sent
+                # Protocol step 23, whatever the finish reason: the KV exists, so it is sent
                 # (or expires); the worker reports finished_sending to free the blocks.
                 self._meta.finished_sends.add(req_id)
                 if (params.get("send_on_stop") is False
@@ -244,7 +245,7 @@ class PDScheduler:
     # --- helpers ------------------------------------------------------------------------
 
     def _pull_blocks(self, blocks: KVCacheBlocks, covered: int | None) -> list[list[int]]:
-        """Per KV-cache group, D's blocks that P's KV fills (seeds step 18)."""
+        """Per KV-cache group, D's blocks that P's KV fills (protocol step 18)."""
         new = blocks.get_unhashed_block_ids_all_groups()  # null placeholders left out
         everything = blocks.get_block_ids()
         out = []

@@ -38,7 +38,7 @@ class ConnectorSettings(BaseModel):
 
     engine_id: str = Field(min_length=1)
     role: Role
-    # Producer: the bootstrap sidecar its workers register with (seeds step 4).
+    # Producer: the bootstrap sidecar its workers register with (docs/protocol.md step 4).
     bootstrap_addr: str = "http://127.0.0.1:8998"
     # Producer, instead of bootstrap_addr: the sidecar listens on this port at `host` (a
     # pod IP known only at run time; an IPv6 one must go in brackets in the URL).
@@ -79,7 +79,7 @@ class ConnectorSettings(BaseModel):
     cancel_grace_s: float = Field(5.0, gt=0)
     # Producer: push right after the forward pass that computes a prompt's last KV
     # (wait_for_save), one scheduler step earlier than the reference, which waits for the
-    # request to finish (seeds step 26). False reproduces the reference's timing.
+    # request to finish (protocol step 26). False reproduces the reference's timing.
     early_push: bool = True
     # Producer, KV in CPU memory only: with early_push, wait at most this long after the
     # forward (the next scheduler step starts the push sooner when the engine is idle), so

@@ -1,8 +1,8 @@
 """Worker side of the connector (runs in each vLLM worker process, one per TP rank).
 
-Registers the KV cache with the Mooncake Transfer Engine (seeds steps 1, 3, 5), then hands
-each step's metadata to the producer's `Sender` or the consumer's `Receiver`, which run on
-a background loop; vLLM's forward pass never waits on the network.
+Registers the KV cache with the Mooncake Transfer Engine (docs/protocol.md steps 1, 3, 5),
+then hands each step's metadata to the producer's `Sender` or the consumer's `Receiver`,
+which run on a background loop; vLLM's forward pass never waits on the network.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ class PDWorker:
                 self.loop.call(self.side.on_released, set(meta.released_sends))
             return
         engine_wait.idle_step(meta.idle)  # and for the next step after this one
-        for req_id, spec in meta.recvs.items():  # seeds step 19
+        for req_id, spec in meta.recvs.items():  # protocol step 19
             self.loop.call(self.side.on_recv, req_id, spec)
         for req_id, transfer_id in meta.cancelled_recvs.items():
             self.loop.call(self.side.on_cancel, req_id, transfer_id)

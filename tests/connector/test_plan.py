@@ -326,7 +326,7 @@ def test_block_runs() -> None:
 
 def seeds_regions(base: int, num_blocks: int, layers: int = 36) -> list[Region]:
     """Qwen3-8B per layer in the CPU layout: 8 KV heads x 128 x 16 tokens x K,V x bf16."""
-    chunk = 2 * 16 * 8 * 128 * 2  # 64 KiB per layer per block (seeds step 3)
+    chunk = 2 * 16 * 8 * 128 * 2  # 64 KiB per layer per block (docs/protocol.md step 3)
     per_layer = chunk * num_blocks
     return [Region(base + i * per_layer, chunk, chunk, num_blocks) for i in range(layers)]
 

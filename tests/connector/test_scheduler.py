@@ -1,5 +1,5 @@
 """The scheduler side's bookkeeping on stand-in requests (no engine): what it hands the
-worker for the proxy's first-token mode (seeds steps 12, 18, 23)."""
+worker for the proxy's first-token mode (docs/protocol.md steps 12, 18, 23)."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_refused_params_at_a_foreign_bootstrap_release_nothing():
 
 
 def prefill_done(s: PDScheduler, req: Req) -> None:
-    """The step that computes the whole prompt is scheduled (seeds steps 12-13)."""
+    """The step that computes the whole prompt is scheduled (protocol steps 12-13)."""
     s.kv_cache_manager = Manager({req.request_id: [1, 2, 3]})
     s.update_state_after_alloc(req, Blocks([1, 2, 3]), 0)
     meta = s.build_connector_meta(SimpleNamespace(

@@ -194,7 +194,7 @@ async def test_mla_latent_blocks_arrive_byte_for_byte(bootstrap_url):
 
 async def test_decode_first_then_prefill(pair):
     pair.receiver.on_recv("d1", pair.spec("x1", [7, 8]))
-    await asyncio.sleep(0.3)  # D's metadata waits on P's side (seeds step 22)
+    await asyncio.sleep(0.3)  # D's metadata waits on P's side (docs/protocol.md step 22)
     pair.sender.on_finished  # noqa: B018 - nothing to report yet
     pair.sender.on_ready("p1", "x1", [[1, 2]], None)
     assert await pair.results() == ({"d1"}, set())

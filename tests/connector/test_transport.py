@@ -90,7 +90,8 @@ def transfer_and_verify(
 
 
 def test_cpu_layout_random_block_tables() -> None:
-    """The seeds' 1P1D shape scaled down: 10 layers, hundreds of blocks, ~30 MiB moved."""
+    """docs/protocol.md's example 1P1D shape scaled down: 10 layers, hundreds of blocks,
+    ~30 MiB moved."""
     p_spec = KVSpec(layers=10, num_blocks=320, seed=1)
     d_spec = KVSpec(layers=10, num_blocks=400, seed=2)
     rng = random.Random(11)

@@ -107,7 +107,8 @@ async def post_json(http: aiohttp.ClientSession, url: str, body: dict,
 async def pd_request(node: LocalNode, path: str, body: dict, *, p_extra: dict | None = None,
                      transfer_id: str | None = None, p_body: dict | None = None,
                      send_p: bool = True) -> tuple[dict, dict | None]:
-    """Split one request the way the proxy does (seeds steps 9-10) and send both at once."""
+    """Split one request the way the proxy does (docs/protocol.md steps 9-10) and send both
+    at once."""
     transfer_id = transfer_id or f"xfer-{uuid.uuid4()}"
     p = {**prefill_body(p_body or body, path, transfer_id), **(p_extra or {})}
     d = decode_body(body, transfer_id, node.spec.bootstrap_url, node.spec.prefill_engine_id)

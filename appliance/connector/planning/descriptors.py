@@ -1,5 +1,6 @@
-"""Pure transfer planning, part two: P's blocks paired with D's, descriptors, batches (seeds
-step 28). Regions come from `plan`; nothing here touches torch, Mooncake or sockets.
+"""Pure transfer planning, part two: P's blocks paired with D's, descriptors, batches
+(docs/protocol.md step 28). Regions come from `plan`; nothing here touches torch, Mooncake
+or sockets.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def build_descriptors(
 ) -> Descriptors:
     """Descriptors moving blocks ``src_ids`` of P's regions into blocks ``dst_ids`` of D's.
 
-    Seeds step 28: per region pair, runs consecutive on both sides become one descriptor when
+    Protocol step 28: per region pair, runs consecutive on both sides become one descriptor when
     both sides' blocks touch; otherwise one descriptor per block. Every id is checked against its
     side's cache first, so bad metadata raises before anything is written. P's surplus leading
     blocks (D's prefix hit) are skipped, see ``pair_blocks``.

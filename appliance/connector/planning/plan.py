@@ -1,4 +1,4 @@
-"""Pure transfer planning, part one: KV regions from real tensor layouts (seeds step 3).
+"""Pure transfer planning, part one: KV regions from real tensor layouts (docs/protocol.md step 3).
 
 Nothing here touches torch, Mooncake or sockets: inputs are plain ints and tuples, so every rule
 is tested on synthetic shapes; part two (block pairing, descriptors) is `descriptors`. A

@@ -1,4 +1,4 @@
-"""A background asyncio loop for a worker's side channel (seeds steps 1, 5).
+"""A background asyncio loop for a worker's side channel (docs/protocol.md steps 1, 5).
 
 vLLM calls the connector from its worker thread once per step; everything that waits
 (ZMQ, bootstrap HTTP, deadlines) runs on this loop instead, and blocking batch writes run

@@ -1,8 +1,9 @@
 """Side-channel messages between D and P workers: msgpack over ZMQ DEALER (D) -> ROUTER (P).
 
-Seeds step 21: D tells P where to write (its Mooncake session, its block ids and, on first
-contact, its KV layout). Seeds step 30: P answers per request. The layout is sent once per P and
-then named by ``layout_id``; a P that lost it (restart) answers LAYOUT_MISS and D resends it.
+docs/protocol.md step 21: D tells P where to write (its Mooncake session, its block ids
+and, on first contact, its KV layout). Step 30: P answers per request. The layout is sent
+once per P and then named by ``layout_id``; a P that lost it (restart) answers LAYOUT_MISS
+and D resends it.
 D may also send a ``CancelRequest`` (its deadline passed, the request was aborted, or P's
 blocks can be released); P's ROUTER decodes both with ``decode_side_channel``. Every decode
 validates values, so a bad message becomes one ``MessageError`` and is never half-applied.
@@ -67,7 +68,7 @@ class ReqEntry(msgspec.Struct, array_like=True, frozen=True):
 
 
 class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=True):
-    """D -> P (seeds step 21). ``layout`` rides along on first contact only."""
+    """D -> P (protocol step 21). ``layout`` rides along on first contact only."""
 
     engine_id: Id
     host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
@@ -149,7 +150,7 @@ class CancelRequest(msgspec.Struct, tag="xcancel", omit_defaults=True, frozen=Tr
 
 
 class TransferResponse(msgspec.Struct, tag="xresp", omit_defaults=True, frozen=True):
-    """P -> D (seeds step 30): the outcome for some or all requests of a TransferRequest."""
+    """P -> D (protocol step 30): the outcome for some or all requests of a TransferRequest."""
 
     status: Status
     ok: list[Id] = []

@@ -1,5 +1,5 @@
-"""Consumer (D) side, seeds step 19: which producer workers hold a request's KV, looked up
-through the producer's bootstrap sidecar and cached per (sidecar, engine id).
+"""Consumer (D) side, docs/protocol.md step 20: which producer workers hold a request's
+KV, looked up through the producer's bootstrap sidecar and cached per (sidecar, engine id).
 
 With the producer's TP equal to ours, our rank pulls from its own rank (the reference's
 only case); with a larger producer TP, from each producer rank holding some of our heads

@@ -1,4 +1,5 @@
-"""A prefill worker's registration with the bootstrap sidecar (seeds step 4), kept alive."""
+"""A prefill worker's registration with the bootstrap sidecar (docs/protocol.md step 4),
+kept alive."""
 
 from __future__ import annotations
 

@@ -1,3 +1,3 @@
-"""Moving one request's KV (seeds steps 14, 22-32): the Mooncake seam, P's pushes and its
+"""Moving one request's KV (docs/protocol.md steps 14, 22-32): the Mooncake seam, P's pushes and its
 ledger of held blocks, D's pulls, and each transfer's explicit state.
 """

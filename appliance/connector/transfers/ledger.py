@@ -1,5 +1,5 @@
 """The producer's ledger of transfers: which prefill request's blocks are held for which
-transfer, and the one place a transfer's blocks go back to vLLM (seeds steps 31-32).
+transfer, and the one place a transfer's blocks go back to vLLM (docs/protocol.md steps 31-32).
 
 Each P request's KV has one owner at a time: vLLM's scheduler until the request finishes,
 then this ledger (`by_req`) until the transfer is settled, then vLLM again, told through

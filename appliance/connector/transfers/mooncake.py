@@ -1,4 +1,4 @@
-"""The one seam around Mooncake's TransferEngine (seeds steps 1, 3, 5, 29).
+"""The one seam around Mooncake's TransferEngine (docs/protocol.md steps 1, 3, 5, 29).
 
 Everything the connector asks of Mooncake goes through ``MooncakeTransport``: start the engine,
 register KV memory, write descriptor batches to a peer, probe a peer. Mooncake answers with bare
@@ -290,7 +290,7 @@ class MooncakeTransport:
     ) -> WriteResult:
         """Write every descriptor to ``session``, in batches the peer's queue accepts.
 
-        Seeds step 29. ``stop`` is asked before each batch (the first included, which may
+        Protocol step 29. ``stop`` is asked before each batch (the first included, which may
         come long after the caller decided to write: a GPU fence, a busy peer lock); a reason
         it returns ends the write there with ``WriteStopped``, so no batch starts after the
         destination may have given its memory back. On failure the destination may be partly

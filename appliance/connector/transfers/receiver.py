@@ -1,6 +1,6 @@
 """Consumer (D) worker side: ask a producer to push a request's KV into our blocks.
 
-Seeds steps 19-21 (resolve the producer's workers through its bootstrap sidecar, send our
+docs/protocol.md steps 19-21 (resolve the producer's workers through its bootstrap sidecar, send our
 Mooncake session, layout and block ids over a ZMQ DEALER) and 34-35 (a FINISH reply marks
 the request received). Beyond the reference: a receive deadline, explicit ERROR handling,
 releases that let the producer free KV nobody will fetch, and no write into a block given
@@ -112,7 +112,7 @@ class Receiver:
         to `wait_s` for one when there is none and a pull is in flight."""
         return self._reports.take(wait_s if self.incoming else 0.0)
 
-    # --- seeds steps 20-21 ----------------------------------------------------------------
+    # --- protocol steps 20-21 -------------------------------------------------------------
 
     async def _pull(self, inc: Incoming) -> None:
         spec = inc.spec
@@ -152,7 +152,7 @@ class Receiver:
         peer.layout_sent = True
         await peer.send(m.encode_request(msg))
 
-    # --- replies (seeds step 34) ----------------------------------------------------------
+    # --- replies (protocol step 34)-------------------------------------------------------
 
     def on_response(self, peer: Peer, resp: m.TransferResponse) -> None:
         if resp.status is m.Status.LAYOUT_MISS:

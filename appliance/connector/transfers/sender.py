@@ -1,6 +1,6 @@
 """Producer (P) worker side: serve decode nodes' transfer requests by pushing KV into them.
 
-Seeds steps 4 (ROUTER side channel registered with the bootstrap), 14/22/27 (a transfer
+docs/protocol.md steps 4 (ROUTER side channel registered with the bootstrap), 14/22/27 (a transfer
 waits until its prefill is computed and the decode node's metadata has arrived), 28-31
 (descriptors, batch write, FINISH reply, finished_sending).
 
@@ -74,7 +74,7 @@ class Sender(Ledger):
         self.side_channel_addr = ""
         self._tasks: list[asyncio.Task] = []
 
-    # --- start-up (seeds step 4) ----------------------------------------------------------
+    # --- start-up (protocol step 4)-------------------------------------------------------
 
     async def start(self) -> str:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -115,7 +115,7 @@ class Sender(Ledger):
 
     def on_ready(self, req_id: str, transfer_id: str, block_ids: list[list[int]],
                  fence: Callable[[], None] | None) -> None:
-        """The prompt's KV is computed (once `fence` returns): seeds step 27, one step early."""
+        """The prompt's KV is computed (once `fence` returns): protocol step 27, one step early."""
         t = self.by_transfer.get(transfer_id)
         if t is not None and t.p_req_id is not None and t.p_req_id != req_id:
             # Two prefill requests carry one transfer id: refuse the second.
@@ -155,7 +155,8 @@ class Sender(Ledger):
                      t.transfer_id, t.state.value)
 
     def on_finished(self, req_ids: set[str]) -> None:
-        """The scheduler holds these requests' blocks until we report them (seeds 23, 32)."""
+        """The scheduler holds these requests' blocks until we report them (protocol steps
+        23, 32)."""
         for req_id in req_ids:
             t = self.by_req.get(req_id)
             if t is None:
@@ -192,7 +193,7 @@ class Sender(Ledger):
             # else a decode node asked after all: its transfer goes on and settles itself
             # (or that node's own cancel ends it).
 
-    # --- the side channel (seeds steps 21-22, 30) -----------------------------------------
+    # --- the side channel (protocol steps 21-22, 30)--------------------------------------
 
     async def _listen(self) -> None:
         assert self._sock is not None
@@ -280,7 +281,7 @@ class Sender(Ledger):
         if tid in self._seen:
             return False, f"transfer {tid} is over ({self._seen[tid]}); transfer_id seen twice?"
         t = self.by_transfer.get(tid)
-        if t is None:  # D arrived before the prefill finished (seeds step 22)
+        if t is None:  # D arrived before the prefill finished (protocol step 22)
             t = self.by_transfer[tid] = Outgoing(transfer_id=tid)
             # Wait for the prefill as long as D waits for it (appliance.deadlines): giving
             # up sooner would have D recompute a prompt this node is still computing.

@@ -4,7 +4,7 @@
           └───────────────┴──────────────────┴──────────▶ FAILED
 
 Producer: a transfer waits for input until both its prefill is computed and the decode
-node's metadata has arrived (seeds steps 22, 27), then transfers (28-30).
+node's metadata has arrived (docs/protocol.md steps 22, 27), then transfers (28-30).
 Consumer: bootstrapping while it resolves the producer's workers (20), waiting for input
 once its metadata is sent (21) until the producer answers (34).
 """

@@ -1,4 +1,4 @@
-"""The exchange: one client request's calls to P and D (seeds steps 8-10, 24-25, 38-43).
+"""The exchange: one client request's calls to P and D (docs/protocol.md steps 8-10, 24-25, 38-43).
 
 - `split`: the request P gets and the one D gets (pure functions on the decoded body);
 - `paths`: the paths a request takes (P and D at once, P's token first, D alone, D or P

@@ -1,13 +1,13 @@
 """First token from P: a streaming client gets P's token the moment P answers.
 
-In the classic split the proxy discards P's one token (seeds steps 24-25) and the client's
-first token is D's (38-39): D waits for the KV, recomputes the last prompt token, and only
-then speaks, so TTFT = P's prefill + the transfer + one D step. Here P's token goes to the
-client at once, and D is asked only after P has answered, with P's prompt token ids plus
-that token as its prompt (`remote_num_tokens` tells D's connector which prefix P's KV
-covers): D continues the sequence P started instead of sampling its own first token, so
-the text is the one text a single server would produce (token for token under greedy
-decoding).
+In the classic split the proxy discards P's one token (docs/protocol.md steps 24-25) and
+the client's first token is D's (38-39): D waits for the KV, recomputes the last prompt
+token, and only then speaks, so TTFT = P's prefill + the transfer + one D step. Here P's
+token goes to the client at once, and D is asked only after P has answered, with P's prompt
+token ids plus that token as its prompt (`remote_num_tokens` tells D's connector which
+prefix P's KV covers): D continues the sequence P started instead of sampling its own first
+token, so the text is the one text a single server would produce (token for token under
+greedy decoding).
 
 Only requests whose meaning survives the split take this path (see `ineligible`); the rest
 use the classic split. Pure functions on decoded JSON, plus the SSE rewriter that turns D's

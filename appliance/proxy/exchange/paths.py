@@ -1,4 +1,4 @@
-"""The exchange paths of one request (seeds steps 8-10, 25, 42-43): the classic split (P
+"""The exchange paths of one request (docs/protocol.md steps 8-10, 25, 42-43): the classic split (P
 and D at once, P's status before any byte of D's), P's token first (first_token module),
 and D alone (the fallback when P cannot help). Each names the transfer, moves the KV's
 holder (appliance.proxy.ownership) as the legs go, and hands D's answer to the relay. A

@@ -1,4 +1,5 @@
-"""D's answer to the client (seeds step 43): whole, streamed, or continued after P's token.
+"""D's answer to the client (docs/protocol.md step 43): whole, streamed, or continued
+after P's token.
 
 Once the client's headers are out, a failure of D can only be said by an SSE error event.
 A D call that fails because the P it waited on went down (ownership.PREFILL_DOWN) before D

@@ -1,4 +1,5 @@
-"""Prefill and decode nodes and their health (seeds 6-7; the checks: appliance.proxy.nodes.health).
+"""Prefill and decode nodes and their health (docs/protocol.md steps 6-7; the checks:
+appliance.proxy.nodes.health).
 
 Membership changes at run time (`Backends.reconcile`, fed by the static settings at start
 and by appliance.proxy.nodes.discovery after): a node is a *member* (in rotation once its health
@@ -100,7 +101,7 @@ class PrefillBackend(Backend):
 
     @property
     def in_rotation(self) -> bool:
-        # Without an engine id D could not find P's workers: not ready (seeds step 6).
+        # Without an engine id D could not find P's workers: not ready (protocol step 6).
         return super().in_rotation and bool(self.engine_ids)
 
     @property

@@ -1,7 +1,7 @@
 """Who must free the KV that P computes for one request's transfer: one explicit state.
 
 P keeps a finished prefill's blocks until a D pulls them or its `send_timeout_s` passes
-(seeds step 23). While the proxy has not seen D answer a request that asks for them, only
+(docs/protocol.md step 23). While the proxy has not seen D answer a request that asks for them, only
 the proxy knows whether anyone will come, so until then the KV is the proxy's to release
 (appliance.proxy.ownership.release); once D answered, D's connector pulls or frees it.
 Every change of holder goes through PrefillKV.move(), which refuses the impossible ones

@@ -1,13 +1,13 @@
 """Releasing KV that P computed for a transfer no decode node will pull.
 
-P keeps a finished prefill's blocks until a D pulls them or `send_timeout_s` passes (seeds
-step 23; 480 s in the reference). D's connector releases them itself when D's scheduler saw
-the request. When D never did (D refused the request before its engine, was unreachable,
-or the client left while D's request was still being admitted), or the proxy gave up on D,
-only the proxy knows nobody will come: it sends P's workers the connector's own release, a
-`CancelRequest` on the side channel, exactly what D's connector sends. A release is
-harmless when a pull did happen: P answers for a transfer already over, and one being
-written finishes first.
+P keeps a finished prefill's blocks until a D pulls them or `send_timeout_s` passes
+(docs/protocol.md step 23; 480 s in the reference). D's connector releases them itself when
+D's scheduler saw the request. When D never did (D refused the request before its engine,
+was unreachable, or the client left while D's request was still being admitted), or the
+proxy gave up on D, only the proxy knows nobody will come: it sends P's workers the
+connector's own release, a `CancelRequest` on the side channel, exactly what D's connector
+sends. A release is harmless when a pull did happen: P answers for a transfer already over,
+and one being written finishes first.
 """
 
 from __future__ import annotations
