@@ -47,7 +47,7 @@ class NodeKeys:
 
 def _new_value(name: str) -> str:
     if name == SIDE_CHANNEL_KEY:
-        from appliance.connector.sidechannel.curve import generate_secret
+        from appliance.sidechannel.curve import generate_secret
 
         return generate_secret()
     return secrets.token_urlsafe(32)

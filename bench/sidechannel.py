@@ -173,7 +173,7 @@ def report(kv_cache: Callable[..., Any], shape: Any, reps: int, auth: str) -> No
     from rich.console import Console
     from rich.table import Table
 
-    from appliance.connector.sidechannel.curve import generate_secret
+    from appliance.sidechannel.curve import generate_secret
 
     modes = MODES if auth == "both" else (auth,)
     with tempfile.TemporaryDirectory() as tmp:

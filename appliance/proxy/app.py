@@ -19,7 +19,6 @@ import msgspec
 from aiohttp import web
 
 from appliance import bearer
-from appliance.connector.sidechannel import curve
 from appliance.httperrors import json_error
 from appliance.proxy.admission import Admission
 from appliance.proxy.errors import NodeDown, ProxyError
@@ -45,6 +44,7 @@ from appliance.proxy.record import Record
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.tracing import Tracing
 from appliance.proxy.upstream import Upstreams
+from appliance.sidechannel import curve
 
 log = logging.getLogger("appliance.proxy")
 

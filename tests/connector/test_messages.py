@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from appliance.connector.planning.plan import Region
-from appliance.connector.sidechannel.messages import (
+from appliance.connector.sidechannel.layout import layout_from_wire, layout_to_wire
+from appliance.sidechannel.messages import (
     CancelEntry,
     CancelRequest,
     MessageError,
@@ -22,8 +23,6 @@ from appliance.connector.sidechannel.messages import (
     encode_cancel,
     encode_request,
     encode_response,
-    layout_from_wire,
-    layout_to_wire,
 )
 
 LAYOUT = [Region(0x7F00_0000_0000 + i * (1 << 26), 65536, 65536, 1024) for i in range(36)]

@@ -16,12 +16,13 @@ import zmq.asyncio
 from appliance.connector.metadata import RecvSpec, ReleaseSpec
 from appliance.connector.planning.plan import Region
 from appliance.connector.settings import ConnectorSettings
-from appliance.connector.sidechannel import messages as m
+from appliance.connector.sidechannel.layout import layout_to_wire
 from appliance.connector.stats import TransferStats
 from appliance.connector.transfers.mooncake import MooncakeTransport
 from appliance.connector.transfers.receiver import Receiver
 from appliance.connector.transfers.sender import Sender
 from appliance.connector.worker import kv_regions
+from appliance.sidechannel import messages as m
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 4, 64, 2, 16, 32
 
@@ -394,7 +395,7 @@ def request(pair: Pair, entries, layout=True, layout_id=1, regions=None, **kw):
     return m.TransferRequest(
         engine_id="d0", host="127.0.0.1", rpc_port=pair.d.transport.rpc_port,
         layout_id=layout_id, reqs=[m.ReqEntry(*e) for e in entries],
-        layout=m.layout_to_wire(regions or pair.d.regions) if layout else None, **kw)
+        layout=layout_to_wire(regions or pair.d.regions) if layout else None, **kw)
 
 
 @pytest.fixture

@@ -17,12 +17,13 @@ import zmq.asyncio
 
 from appliance.connector.planning.plan import Region
 from appliance.connector.settings import ConnectorSettings
-from appliance.connector.sidechannel import curve, guard
-from appliance.connector.sidechannel import messages as m
+from appliance.connector.sidechannel import guard
 from appliance.connector.stats import TransferStats
 from appliance.connector.transfers.receiver import Receiver
 from appliance.connector.transfers.sender import Sender
 from appliance.connector.transfers.state import TransferState
+from appliance.sidechannel import curve
+from appliance.sidechannel import messages as m
 from tests.connector.test_side_channel import BLOCKS, Pair, RawDealer, request
 
 
@@ -367,10 +368,10 @@ def test_check_blocks_uses_the_smallest_cache_and_its_groups():
 
 
 def test_refusal_warnings_are_throttled(caplog):
-    from appliance.connector.sidechannel.curve import _Throttled
+    from appliance.sidechannel.curve import _Throttled
 
     t = _Throttled(every_s=60)
-    with caplog.at_level("WARNING", logger="vllm.appliance.connector.sidechannel.curve"):
+    with caplog.at_level("WARNING", logger="vllm.appliance.sidechannel.curve"):
         for _ in range(5):
             t.warning("auth", "refused %s", "x")
         t.warning("handshake", "refused %s", "y")
@@ -378,7 +379,7 @@ def test_refusal_warnings_are_throttled(caplog):
     assert lines == ["refused x", "refused y"]
     start, lines = t._window["auth"]
     t._window["auth"] = (start - 61, lines)  # a minute later: one line, saying how many
-    with caplog.at_level("WARNING", logger="vllm.appliance.connector.sidechannel.curve"):
+    with caplog.at_level("WARNING", logger="vllm.appliance.sidechannel.curve"):
         t.warning("auth", "refused %s", "z")
     assert caplog.records[-1].getMessage() == "refused z (4 more like it in the last 60 s)"
 

@@ -39,7 +39,7 @@ def test_init_writes_the_keys_and_rotate_replaces_only_them(pdctl, tmp_path):
 
 
 def test_curve_key_is_a_z85_secret(tmp_path):
-    from appliance.connector.sidechannel.curve import read_key
+    from appliance.sidechannel.curve import read_key
 
     k = keys.ensure(tmp_path / "k")
     key = read_key(k.side_channel_key)

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from appliance.connector.sidechannel import messages as m
+from appliance.sidechannel import messages as m
 
 
 @dataclass

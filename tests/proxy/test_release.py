@@ -157,7 +157,8 @@ async def test_unknown_side_channel_is_counted_not_fatal(cluster: Cluster) -> No
 
 def test_proxy_imports_without_the_serving_stack() -> None:
     """The slim image (proxy, sidecar, pdctl) has no numpy, torch or vLLM; the release
-    message comes from the connector's messages module, which must not need them."""
+    message comes from the side channel's messages (appliance.sidechannel), which must not
+    need them."""
     import subprocess
     import sys
 

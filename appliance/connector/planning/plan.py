@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_ADDR_LIMIT = 1 << 63  # addresses are computed in int64
+from appliance.sidechannel.messages import region_problem
 
 
 class PlanError(ValueError):
@@ -54,16 +54,9 @@ class Region:
     heads: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.base_addr < _ADDR_LIMIT:
-            raise LayoutError(f"base_addr {self.base_addr:#x} out of range")
-        if self.block_bytes <= 0 or self.num_blocks <= 0:
-            raise LayoutError(f"empty region: {self}")
-        if self.group < 0 or self.heads < 0:
-            raise LayoutError(f"negative KV-cache group or head count: {self}")
-        if self.num_blocks > 1 and self.block_stride < self.block_bytes:
-            raise LayoutError(f"blocks overlap: stride {self.block_stride} < {self.block_bytes}")
-        if self.base_addr + self.span[1] > _ADDR_LIMIT:
-            raise LayoutError(f"region ends beyond the address range: {self}")
+        # The rule P applies to a layout D sends (the side channel's): one rule for both.
+        if problem := region_problem(self):
+            raise LayoutError(problem)
 
     @property
     def contiguous(self) -> bool:

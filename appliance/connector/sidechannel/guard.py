@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from appliance.connector.sidechannel import messages as m
+from appliance.sidechannel import messages as m
 
 if TYPE_CHECKING:
     from appliance.connector.planning.plan import Region

@@ -24,9 +24,9 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from appliance.connector.sidechannel import curve
-from appliance.connector.sidechannel import messages as m
 from appliance.connector.stats import TransferStats
+from appliance.sidechannel import curve
+from appliance.sidechannel import messages as m
 
 log = logging.getLogger("vllm.appliance.connector.sidechannel.peers")
 

@@ -25,14 +25,15 @@ from appliance.connector.metadata import RecvSpec, ReleaseSpec
 from appliance.connector.planning.plan import PlanError, Region
 from appliance.connector.reports import Reports
 from appliance.connector.settings import ConnectorSettings
-from appliance.connector.sidechannel import curve
-from appliance.connector.sidechannel import messages as m
+from appliance.connector.sidechannel.layout import layout_to_wire
 from appliance.connector.sidechannel.peers import Peer, Peers
 from appliance.connector.sidechannel.producers import Producers
 from appliance.connector.spans import TransferSpans
 from appliance.connector.stats import TransferStats
 from appliance.connector.transfers.mooncake import MooncakeTransport
 from appliance.connector.transfers.state import Transfer, TransferState
+from appliance.sidechannel import curve
+from appliance.sidechannel import messages as m
 
 log = logging.getLogger("vllm.appliance.connector.transfers.receiver")
 
@@ -148,7 +149,7 @@ class Receiver:
                              [list(g) for g in inc.spec.block_ids],
                              _remaining_ms(inc.deadline))],
             tp_rank=self.tp_rank, tp_size=self.tp_size,
-            layout=m.layout_to_wire(self.regions) if include else None)
+            layout=layout_to_wire(self.regions) if include else None)
         peer.layout_sent = True
         await peer.send(m.encode_request(msg))
 

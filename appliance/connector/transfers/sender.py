@@ -28,8 +28,8 @@ from appliance.connector.planning.descriptors import build_group_descriptors
 from appliance.connector.planning.plan import PlanError, Region
 from appliance.connector.planning.tpplan import Leg, leg_for
 from appliance.connector.settings import ConnectorSettings
-from appliance.connector.sidechannel import curve, guard
-from appliance.connector.sidechannel import messages as m
+from appliance.connector.sidechannel import guard
+from appliance.connector.sidechannel.layout import layout_from_wire
 from appliance.connector.sidechannel.registration import keep_registered
 from appliance.connector.spans import TransferSpans
 from appliance.connector.stats import TransferStats
@@ -39,6 +39,8 @@ from appliance.connector.transfers.outgoing import Outgoing, write
 from appliance.connector.transfers.state import TransferState
 from appliance.deadlines import write_by_s
 from appliance.netaddr import host_port, url_host
+from appliance.sidechannel import curve
+from appliance.sidechannel import messages as m
 
 log = logging.getLogger("vllm.appliance.connector.transfers.sender")
 
@@ -231,7 +233,7 @@ class Sender(Ledger):
     def _accept(self, identity: bytes, msg: m.TransferRequest) -> None:
         key = (msg.engine_id, msg.layout_id)
         if msg.layout is not None:
-            self._layouts[key] = m.layout_from_wire(msg.layout)
+            self._layouts[key] = layout_from_wire(msg.layout)
             while len(self._layouts) > 256:
                 self._layouts.popitem(last=False)
         dst_regions = self._layouts.get(key)

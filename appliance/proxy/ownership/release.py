@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from appliance.connector.sidechannel import messages as m
-from appliance.connector.sidechannel.curve import (
+from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.ownership import PrefillKV
+from appliance.sidechannel import messages as m
+from appliance.sidechannel.curve import (
     HANDSHAKE_FAILED,
     CurveKey,
     handshake_failure,
     set_client,
 )
-from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.ownership import PrefillKV
 
 log = logging.getLogger("appliance.proxy.ownership.release")
 

@@ -29,7 +29,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-log = logging.getLogger("vllm.appliance.connector.sidechannel.curve")
+log = logging.getLogger("vllm.appliance.sidechannel.curve")
 
 _KEY_CHARS = 40  # a 32-byte key in Z85
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

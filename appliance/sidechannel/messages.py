@@ -7,25 +7,26 @@ and D resends it.
 D may also send a ``CancelRequest`` (its deadline passed, the request was aborted, or P's
 blocks can be released); P's ROUTER decodes both with ``decode_side_channel``. Every decode
 validates values, so a bad message becomes one ``MessageError`` and is never half-applied.
+The proxy sends the same ``CancelRequest`` (its releases), so this module sits below both the
+connector and the proxy and imports neither. A layout's regions obey ``region_problem``, the
+rule the connector's ``plan.Region`` checks too; the connector converts between the two
+(``appliance.connector.sidechannel.layout``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import msgspec
 
 from appliance.netaddr import host_port
 
-if TYPE_CHECKING:
-    from appliance.connector.planning.plan import Region
-
 _MAX_ID = 4096  # request, transfer and engine ids are uuids plus prefixes in practice
 _MAX_ITEMS = 1 << 20
 _MAX_GROUPS = 64  # KV-cache groups per model (gpt-oss: 2; Gemma 3: 2; hybrid SSMs: a few)
 RELEASE_PREFIX = "release-"  # a CancelEntry's d_req_id when no decode request is behind it
+_ADDR_LIMIT = 1 << 63  # addresses are computed in int64
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
@@ -41,6 +42,40 @@ class Status(str, enum.Enum):
     FINISH = "finish"  # every request in ``ok``/``failed`` was handled; KV for ``ok`` written
     ERROR = "error"  # the whole message was rejected; nothing was written
     LAYOUT_MISS = "layout_miss"  # P has no layout for ``layout_id``: resend with ``layout``
+
+
+class RegionLike(Protocol):
+    """A run of equally spaced KV blocks: block ``i`` is ``block_bytes`` long at ``base_addr +
+    i * block_stride``; ``RegionMsg`` on the wire, ``plan.Region`` in the connector."""
+
+    @property
+    def base_addr(self) -> int: ...
+    @property
+    def block_stride(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def group(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+
+
+def region_problem(r: RegionLike) -> str | None:
+    """Why ``r`` is no possible region (None when it is one): empty, overlapping blocks, or
+    beyond the address range. The one rule for a layout D sends and for ``plan.Region``."""
+    if not 0 <= r.base_addr < _ADDR_LIMIT:
+        return f"base_addr {r.base_addr:#x} out of range"
+    if r.block_bytes <= 0 or r.num_blocks <= 0:
+        return f"empty region: {r}"
+    if r.group < 0 or r.heads < 0:
+        return f"negative KV-cache group or head count: {r}"
+    if r.num_blocks > 1 and r.block_stride < r.block_bytes:
+        return f"blocks overlap: stride {r.block_stride} < {r.block_bytes}"
+    if r.base_addr + (r.num_blocks - 1) * r.block_stride + r.block_bytes > _ADDR_LIMIT:
+        return f"region ends beyond the address range: {r}"
+    return None
 
 
 class RegionMsg(msgspec.Struct, array_like=True, frozen=True):
@@ -91,9 +126,11 @@ class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=Tru
         if self.layout is not None:
             if not self.layout:
                 raise MessageError("layout, when sent, must name at least one region")
-            regions = layout_from_wire(self.layout)
-            limit = min(r.num_blocks for r in regions)
-            groups = max(r.group for r in regions) + 1
+            for region in self.layout:
+                if problem := region_problem(region):
+                    raise MessageError(f"bad layout: {problem}")
+            limit = min(r.num_blocks for r in self.layout)
+            groups = max(r.group for r in self.layout) + 1
         else:
             limit = groups = None
         d_ids: set[str] = set()
@@ -166,23 +203,6 @@ class TransferResponse(msgspec.Struct, tag="xresp", omit_defaults=True, frozen=T
             raise MessageError("a d_req_id appears twice in ok")
         if self.status is not Status.FINISH and self.ok:
             raise MessageError(f"status {self.status.value} cannot report requests as ok")
-
-
-def layout_to_wire(regions: Iterable[Region]) -> list[RegionMsg]:
-    return [RegionMsg(r.base_addr, r.block_stride, r.block_bytes, r.num_blocks, r.group,
-                      r.heads) for r in regions]
-
-
-def layout_from_wire(layout: Sequence[RegionMsg]) -> list[Region]:
-    """Regions from the wire; impossible geometry (overlapping blocks, empty) is rejected."""
-    # Imported here so that the proxy, which only sends cancellations, needs no numpy.
-    from appliance.connector.planning.plan import LayoutError, Region
-
-    try:
-        return [Region(m.base_addr, m.block_stride, m.block_bytes, m.num_blocks, m.group,
-                       m.heads) for m in layout]
-    except LayoutError as exc:
-        raise MessageError(f"bad layout: {exc}") from None
 
 
 _encoder = msgspec.msgpack.Encoder()
