@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from appliance.proxy.exchange.split import CHAT, COMPLETIONS  # noqa: E402
 from appliance.proxy.nodes.backends import Backend  # noqa: E402
+from appliance.proxy.openai_api import CHAT, COMPLETIONS  # noqa: E402
 from appliance.proxy.placement import Placement  # noqa: E402
 
 BODIES = {

@@ -25,16 +25,12 @@ from appliance.proxy.errors import NodeDown, ProxyError
 from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.paths import Exchange
 from appliance.proxy.exchange.relay import Relay
-from appliance.proxy.exchange.split import (
-    CHAT,
-    COMPLETIONS,
-    parse_request,
-    uuid4_str,
-)
+from appliance.proxy.exchange.split import uuid4_str
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
 from appliance.proxy.nodes.health import HealthPoller
+from appliance.proxy.openai_api import CHAT, COMPLETIONS, parse_request
 from appliance.proxy.ownership import Holder, PrefillKV, Pulls
 from appliance.proxy.ownership.release import KVReleaser
 from appliance.proxy.placement import Decision, Placement, Ticket

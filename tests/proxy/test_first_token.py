@@ -17,7 +17,7 @@ from appliance.proxy.exchange.first_token import (
     parse_prefill_answer,
     prefill_request,
 )
-from appliance.proxy.exchange.split import CHAT, COMPLETIONS
+from appliance.proxy.openai_api import CHAT, COMPLETIONS
 from tests.proxy.conftest import Cluster, MakeCluster
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-from appliance.proxy.exchange.split import CHAT, prefill_body, pull_params, text_only
+from appliance.proxy.exchange.split import prefill_body, pull_params
+from appliance.proxy.openai_api import CHAT, text_only
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode

@@ -23,9 +23,9 @@ from appliance.proxy.errors import (
     upstream_error_body,
 )
 from appliance.proxy.exchange import first_token
-from appliance.proxy.exchange.split import answer_usage
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
+from appliance.proxy.openai_api import answer_usage
 from appliance.proxy.ownership import PREFILL_DOWN
 from appliance.proxy.record import Record
 from appliance.proxy.settings import ProxySettings

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.proxy.exchange.split import CHAT
+from appliance.proxy.openai_api import CHAT
 
 # A sample's weight falls by this factor per later sample: about the last 20-40 count.
 FORGET = 0.95

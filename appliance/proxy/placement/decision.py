@@ -50,8 +50,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from appliance.proxy.exchange.split import CHAT
 from appliance.proxy.nodes.backends import Backend
+from appliance.proxy.openai_api import CHAT
 from appliance.proxy.placement.costmodel import (
     Linear,
     Mean,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.proxy.exchange.split import CHAT, text_only
+from appliance.proxy.openai_api import CHAT, text_only
 
 # Chat fields /tokenize takes and that change the rendered prompt.
 _CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
