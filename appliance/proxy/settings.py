@@ -20,7 +20,7 @@ from appliance.deadlines import (
     Deadlines,
 )
 from appliance.netaddr import host_port
-from appliance.proxy.nodes.k8s_settings import DEFAULT_BOOTSTRAP_PORT, KubernetesSettings, http_url
+from appliance.proxy.k8s_settings import DEFAULT_BOOTSTRAP_PORT, KubernetesSettings, http_url
 
 # Adaptive disaggregation's policy (appliance.proxy.placement).
 Split = Literal["always", "never", "auto"]

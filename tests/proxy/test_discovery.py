@@ -14,9 +14,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from appliance.proxy import k8s_settings as proxy_k8s
 from appliance.proxy.__main__ import main
 from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.nodes import k8s_settings as proxy_k8s
 from appliance.proxy.nodes.backends import Backends
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
 from appliance.proxy.server import serve
