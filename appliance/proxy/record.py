@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from appliance.proxy.ownership import PrefillKV
 
@@ -13,9 +13,17 @@ if TYPE_CHECKING:
     from appliance.proxy.metrics import ProxyMetrics
     from appliance.proxy.placement import Decision, Ticket
     from appliance.proxy.prefix import Lookup
-    from appliance.proxy.tracing import RequestTrace, Unsampled
 
 access_log = logging.getLogger("appliance.proxy.access")
+
+
+class Trace(Protocol):
+    """A request's spans (appliance.proxy.tracing: sampled or not): each upstream call puts
+    its context into the call's headers, and the request's end closes it."""
+
+    def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None: ...
+
+    def finish(self, rec: Record) -> None: ...
 
 
 @dataclass(slots=True)
@@ -60,7 +68,7 @@ class Record:
     usage_prompt: int | None = None
     usage_output: int | None = None
     # Its spans, when tracing is on (appliance.proxy.tracing).
-    trace: RequestTrace | Unsampled | None = None
+    trace: Trace | None = None
 
     @property
     def local(self) -> bool:
