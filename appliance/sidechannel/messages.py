@@ -16,7 +16,7 @@ rule the connector's ``plan.Region`` checks too; the connector converts between 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 import msgspec
 
@@ -44,37 +44,22 @@ class Status(str, enum.Enum):
     LAYOUT_MISS = "layout_miss"  # P has no layout for ``layout_id``: resend with ``layout``
 
 
-class RegionLike(Protocol):
-    """A run of equally spaced KV blocks: block ``i`` is ``block_bytes`` long at ``base_addr +
-    i * block_stride``; ``RegionMsg`` on the wire, ``plan.Region`` in the connector."""
-
-    @property
-    def base_addr(self) -> int: ...
-    @property
-    def block_stride(self) -> int: ...
-    @property
-    def block_bytes(self) -> int: ...
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def group(self) -> int: ...
-    @property
-    def heads(self) -> int: ...
-
-
-def region_problem(r: RegionLike) -> str | None:
-    """Why ``r`` is no possible region (None when it is one): empty, overlapping blocks, or
-    beyond the address range. The one rule for a layout D sends and for ``plan.Region``."""
-    if not 0 <= r.base_addr < _ADDR_LIMIT:
-        return f"base_addr {r.base_addr:#x} out of range"
-    if r.block_bytes <= 0 or r.num_blocks <= 0:
-        return f"empty region: {r}"
-    if r.group < 0 or r.heads < 0:
-        return f"negative KV-cache group or head count: {r}"
-    if r.num_blocks > 1 and r.block_stride < r.block_bytes:
-        return f"blocks overlap: stride {r.block_stride} < {r.block_bytes}"
-    if r.base_addr + (r.num_blocks - 1) * r.block_stride + r.block_bytes > _ADDR_LIMIT:
-        return f"region ends beyond the address range: {r}"
+def region_problem(base_addr: int, block_stride: int, block_bytes: int, num_blocks: int,
+                   group: int, heads: int) -> str | None:
+    """Why these numbers are no region (block ``i`` is ``block_bytes`` long at ``base_addr +
+    i * block_stride``), or None: empty, overlapping blocks, beyond the address range. The
+    one rule for a layout D sends and for the connector's ``plan.Region``."""
+    if not 0 <= base_addr < _ADDR_LIMIT:
+        return f"base_addr {base_addr:#x} out of range"
+    if block_bytes <= 0 or num_blocks <= 0:
+        return f"empty region: {num_blocks} blocks of {block_bytes} bytes"
+    if group < 0 or heads < 0:
+        return f"negative KV-cache group or head count: group {group}, {heads} heads"
+    if num_blocks > 1 and block_stride < block_bytes:
+        return f"blocks overlap: stride {block_stride} < {block_bytes}"
+    end = base_addr + (num_blocks - 1) * block_stride + block_bytes
+    if end > _ADDR_LIMIT:
+        return f"region ends beyond the address range: at {end:#x}"
     return None
 
 
@@ -126,8 +111,9 @@ class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=Tru
         if self.layout is not None:
             if not self.layout:
                 raise MessageError("layout, when sent, must name at least one region")
-            for region in self.layout:
-                if problem := region_problem(region):
+            for r in self.layout:
+                if problem := region_problem(r.base_addr, r.block_stride, r.block_bytes,
+                                             r.num_blocks, r.group, r.heads):
                     raise MessageError(f"bad layout: {problem}")
             limit = min(r.num_blocks for r in self.layout)
             groups = max(r.group for r in self.layout) + 1

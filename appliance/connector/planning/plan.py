@@ -55,7 +55,8 @@ class Region:
 
     def __post_init__(self) -> None:
         # The rule P applies to a layout D sends (the side channel's): one rule for both.
-        if problem := region_problem(self):
+        if problem := region_problem(self.base_addr, self.block_stride, self.block_bytes,
+                                     self.num_blocks, self.group, self.heads):
             raise LayoutError(problem)
 
     @property
