@@ -12,6 +12,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.conftest import ROOT
+from tests.pdctl.test_images import _arg, _sh_var
 
 try:
     import tomllib
@@ -33,16 +34,8 @@ def _pins() -> dict[str, str]:
             for m in (PIN.fullmatch(line) for line in _lines()) if m}
 
 
-def _install_var(name: str) -> str:
-    m = re.search(rf'^{name}="([^"]+)"', (ROOT / "install.sh").read_text(), re.M)
-    assert m, name
-    return m.group(1)
-
-
 def _dockerfile_arg(name: str) -> str:
-    m = re.search(rf"^ARG {name}=(\S+)$", (ROOT / "images/vllm/Dockerfile").read_text(), re.M)
-    assert m, name
-    return m.group(1)
+    return _arg("images/vllm/Dockerfile", name)
 
 
 def test_every_line_is_an_exact_pin_or_a_comment_and_none_twice():
@@ -63,7 +56,7 @@ def test_the_gpu_stack_is_pinned_flashinfer_triton_and_the_cuda_libraries_includ
         assert name in pins, f"{name} is not pinned"
     # torch's CUDA libraries: cuBLAS (nvidia-cublas from CUDA 13 on, nvidia-cublas-cuXX
     # before), cuDNN and NCCL, of the CUDA major that Mooncake's build is for.
-    cuda = _install_var("MOONCAKE_GPU").split("==")[0].rsplit("-cuda", 1)[1]
+    cuda = _sh_var("MOONCAKE_GPU").split("==")[0].rsplit("-cuda", 1)[1]
     assert pins["cuda-toolkit"].split(".")[0] == cuda
     for lib in ("nvidia-cublas", "nvidia-cudnn", "nvidia-nccl"):
         found = [n for n in pins if n == lib or n.startswith(f"{lib}-cu")]
@@ -73,9 +66,9 @@ def test_the_gpu_stack_is_pinned_flashinfer_triton_and_the_cuda_libraries_includ
 
 def test_the_freeze_agrees_with_install_sh_and_the_vllm_image():
     pins = _pins()
-    vllm = _install_var("VLLM_VERSION")
+    vllm = _sh_var("VLLM_VERSION")
     assert pins["vllm"] == vllm == _dockerfile_arg("VLLM_VERSION")
-    package, version = _install_var("MOONCAKE_GPU").split("==")
+    package, version = _sh_var("MOONCAKE_GPU").split("==")
     assert package == _dockerfile_arg("MOONCAKE_PACKAGE")
     assert pins[canonicalize_name(package)] == version == _dockerfile_arg("MOONCAKE_VERSION")
     text = FREEZE.read_text()
