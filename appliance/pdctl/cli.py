@@ -356,7 +356,8 @@ def doctor(ctx: click.Context, config_path: Path | None, as_json: bool,
            skips: tuple[str, ...]) -> None:
     """Check this host before starting: GPUs, GPUDirect, RDMA, memlock, ports, Docker, and
     what the node would expose (warnings)."""
-    from appliance.pdctl.host.doctor import Check, run_checks
+    from appliance.pdctl.host.doctor import run_checks
+    from appliance.pdctl.host.verdict import Check
 
     env = env_of(ctx)
     path = config_path_of(config_path)

@@ -80,10 +80,15 @@ class TransferSection(_Section):
     def _devices(cls, v: list[str]) -> list[str]:
         return _device_names(v)
 
+    def listed(self) -> dict[str, list[str]]:
+        """Each device field's names: `device` split at its commas, then the roles' lists."""
+        return {"device": [d for d in self.device.split(",") if d],
+                "prefill_devices": self.prefill_devices, "decode_devices": self.decode_devices}
+
     def devices(self, role: str) -> list[str]:
         """The RDMA devices of "prefill" or "decode": its own list, else `device`'s."""
-        own = self.prefill_devices if role == "prefill" else self.decode_devices
-        return own or ([d for d in self.device.split(",") if d] if self.device else [])
+        fields = self.listed()
+        return fields[f"{role}_devices"] or fields["device"]
 
     def device_name(self, role: str) -> str:
         """Mooncake's `device_name` for a role's engines: its NICs comma-joined, "" on tcp."""

@@ -43,9 +43,7 @@ def _gpu_host_problems(cfg: HostConfig, probe: HostProbe) -> list[str]:
     if cfg.transfer.protocol == "rdma":
         have = {d.name for d in probe.rdma_devices()}
         known = ", ".join(sorted(have, key=natural_key)) or "none in /sys/class/infiniband"
-        for where in ("device", "prefill_devices", "decode_devices"):
-            value = getattr(cfg.transfer, where)
-            names = [n for n in value.split(",") if n] if isinstance(value, str) else value
+        for where, names in cfg.transfer.listed().items():
             for name in names:
                 if name not in have:
                     out.append(f"transfer.{where}: unknown RDMA device {name!r} (this host "

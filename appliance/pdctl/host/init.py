@@ -13,14 +13,13 @@ from rich.console import Console
 from appliance import keys
 from appliance.pdctl import config as cfgmod
 from appliance.pdctl.clibase import config_option, config_path_of, env_of
+from appliance.pdctl.cluster import ROLES
 from appliance.pdctl.config import parse_config
 from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.errors import USAGE, ConfigError, PdctlError
 from appliance.pdctl.host.check import host_problems
 from appliance.pdctl.host.probe import Gpu, HostProbe, RdmaDevice, split_cpus
 from appliance.pdctl.host.topology import GpuSite, assign_nics, role_devices
-
-ROLES = ("prefill", "decode")
 
 
 def _ints(value: str | None, what: str = "GPU") -> list[int] | None:

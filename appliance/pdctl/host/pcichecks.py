@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from appliance.pdctl.cluster import ROLES
 from appliance.pdctl.config import HostConfig
-from appliance.pdctl.host.doctor import Check, _pass, _skip, _warn
 from appliance.pdctl.host.probe import HostProbe
 from appliance.pdctl.host.topology import (
     Distance,
@@ -17,8 +17,7 @@ from appliance.pdctl.host.topology import (
     nearest,
     p2p_bridges,
 )
-
-ROLES = ("prefill", "decode")
+from appliance.pdctl.host.verdict import Check, passed, skipped, warned
 
 
 @dataclass(frozen=True)
@@ -64,24 +63,24 @@ def check_nic_placement(cfg: HostConfig | None, probe: HostProbe) -> list[Check]
     names = [f"NICs ({r})" for r in ROLES]
     why = "no host config" if cfg is None else _not_applicable(cfg)
     if why:
-        return [_skip(n, why) for n in names]
+        return [skipped(n, why) for n in names]
     pairs = _pairs(cfg, probe)
     active = [d.as_nic() for d in probe.rdma_devices() if d.active_ports]
     out = []
     for role, name in zip(ROLES, names, strict=True):
         mine = [p for p in pairs if p.role == role]
         if not mine:
-            out.append(_skip(name, "no GPU with a listed RDMA device"))
+            out.append(skipped(name, "no GPU with a listed RDMA device"))
             continue
         if all(p.distance is Distance.UNKNOWN for p in mine):
-            out.append(_skip(name, "no PCI topology in /sys (GPU or NIC not found under "
+            out.append(skipped(name, "no PCI topology in /sys (GPU or NIC not found under "
                                "/sys/devices)"))
             continue
         detail = ", ".join(f"GPU {p.gpu.index} → {p.nic.name} {p.distance.name}"
                            for p in mine)
         far = [p for p in mine if p.distance is Distance.SYS]
         if not far:
-            out.append(_pass(name, detail))
+            out.append(passed(name, detail))
             continue
         hints = []
         for p in far:
@@ -91,7 +90,7 @@ def check_nic_placement(cfg: HostConfig | None, probe: HostProbe) -> list[Check]
         fix = (f"list {', '.join(hints)} in transfer.{role}_devices" if hints else
                f"put a NIC on GPU {far[0].gpu.index}'s socket") + \
             " (`pdctl init --force` picks each GPU's nearest)"
-        out.append(_warn(name, f"{detail}: KV crosses the CPU sockets' interconnect (SYS)",
+        out.append(warned(name, f"{detail}: KV crosses the CPU sockets' interconnect (SYS)",
                          fix))
     return out
 
@@ -104,7 +103,7 @@ def check_acs(cfg: HostConfig | None, probe: HostProbe) -> Check:
     name = "PCIe ACS"
     why = _not_applicable(cfg)
     if why:
-        return _skip(name, why)
+        return skipped(name, why)
     ports: dict[str, str] = {}  # port -> the GPU and NIC it lies between
     for p in _pairs(cfg, probe):
         if p.gpu.location is None or p.nic.location is None:
@@ -112,12 +111,12 @@ def check_acs(cfg: HostConfig | None, probe: HostProbe) -> Check:
         for bdf in p2p_bridges(p.gpu.location, p.nic.location):
             ports.setdefault(bdf, f"GPU {p.gpu.index}-{p.nic.name}")
     if not ports:
-        return _skip(name, "no PCIe switch between a GPU and its NIC (or no PCI topology)")
+        return skipped(name, "no PCIe switch between a GPU and its NIC (or no PCI topology)")
     redirecting, clear, unread = [], [], []
     for bdf, between in ports.items():
         ctrl, err = probe.acs_control(bdf)
         if err == "missing":
-            return _skip(name, "setpci not found (pciutils): ACS not checked")
+            return skipped(name, "setpci not found (pciutils): ACS not checked")
         if ctrl is None:
             unread.append(err)
         elif acs_redirects(ctrl):
@@ -126,12 +125,12 @@ def check_acs(cfg: HostConfig | None, probe: HostProbe) -> Check:
             clear.append(bdf)
     if redirecting:
         bdfs = [r.split(" ", 1)[0] for r in redirecting]
-        return _warn(name, f"ACS redirect on {', '.join(redirecting)}: GPUDirect RDMA goes "
+        return warned(name, f"ACS redirect on {', '.join(redirecting)}: GPUDirect RDMA goes "
                      "through the root complex",
                      f"disable ACS on these ports: in the firmware (IOMMU/VT-d/ACS "
                      f"settings), or `setpci -s {bdfs[0]} ECAP_ACS+6.w=0000` for each (until "
                      f"reboot), or boot with pci=disable_acs_redir={';'.join(bdfs)}")
     if not clear:
-        return _skip(name, f"cannot read ACS control ({unread[0]}; run as root)")
-    return _pass(name, f"no ACS redirect on the {len(clear)} switch ports between GPUs and "
+        return skipped(name, f"cannot read ACS control ({unread[0]}; run as root)")
+    return passed(name, f"no ACS redirect on the {len(clear)} switch ports between GPUs and "
                  "NICs")

@@ -187,12 +187,8 @@ class HostProbe:
             rel = real.relative_to(Path(os.path.realpath(self.root)))
         except ValueError:
             return None
-        loc = parse_sysfs_path("/" + str(rel))
-        if loc is None:
-            return None
         numa = _text(real / "numa_node")
-        return PciLocation(loc.root, loc.bridges, loc.bdf,
-                           int(numa) if re.fullmatch(r"-?\d+", numa) else -1)
+        return parse_sysfs_path("/" + str(rel), int(numa) if re.fullmatch(r"-?\d+", numa) else -1)
 
     def acs_control(self, bdf: str) -> tuple[int | None, str]:
         """A bridge's ACS Control register (setpci), or None and why: "missing" when there is
