@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,27 +231,36 @@ def torch_wheel(log: Path) -> None:
         raise RuntimeError(f"pip download {torch} failed (see {log})")
 
 
-def build_images(engine: DockerEngine, log: Path) -> dict[str, float]:
-    """The local Debian base and every CPU-stack image; seconds per step."""
+Step = tuple[str, Callable[[], None] | list[str], float]
+
+
+def _run_steps(steps: list[Step], env: dict[str, str], log: Path) -> dict[str, float]:
+    """Each step (a command, or a function) in turn, its output to `log`; seconds per step.
+    A failing command raises with the log's last lines."""
     times = {}
-    env = {**engine.env, "DOCKER_BUILD_FLAGS": "--network host",
-           "CPU_BASE_IMAGE": LOCAL_BASE, "SLIM_BASE_IMAGE": LOCAL_BASE}
-    steps = [("base", [str(ROOT / "images/local-base.sh"), LOCAL_BASE]),
-             ("wheel", None),
-             ("images", [str(ROOT / "images/build.sh"), "--stack", "cpu"])]
-    for name, argv in steps:
+    for name, step, limit in steps:
         begin = time.monotonic()
-        if argv is None:
-            torch_wheel(log)
+        if callable(step):
+            step()
         else:
             with log.open("ab") as out:
-                res = subprocess.run(argv, stdout=out, stderr=out, env=env, timeout=1800,
+                res = subprocess.run(step, stdout=out, stderr=out, env=env, timeout=limit,
                                      cwd=ROOT)
             if res.returncode:
                 tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"{' '.join(argv)} failed: {' | '.join(tail)}")
+                raise RuntimeError(f"{' '.join(step)} failed: {' | '.join(tail)}")
         times[name] = time.monotonic() - begin
     return times
+
+
+def build_images(engine: DockerEngine, log: Path) -> dict[str, float]:
+    """The local Debian base and every CPU-stack image; seconds per step."""
+    env = {**engine.env, "DOCKER_BUILD_FLAGS": "--network host",
+           "CPU_BASE_IMAGE": LOCAL_BASE, "SLIM_BASE_IMAGE": LOCAL_BASE}
+    return _run_steps([("base", [str(ROOT / "images/local-base.sh"), LOCAL_BASE], 1800),
+                       ("wheel", lambda: torch_wheel(log), 0),
+                       ("images", [str(ROOT / "images/build.sh"), "--stack", "cpu"], 1800)],
+                      env, log)
 
 
 GPU_TAG = "0.1.0"
@@ -261,19 +270,9 @@ def build_gpu_images(engine: DockerEngine, log: Path, timeout: float = 3600) -> 
     """The local Debian base and every GPU-stack image, as a host without NVIDIA's registry
     builds them (the CUDA libraries from the torch and nvidia-* wheels); seconds per step.
     The vLLM image's build proves what its start needs (pd-gpu-stack-check)."""
-    times = {}
     # --force-rm: a failed step's container (holding a 9 GB layer) goes too.
     env = {**engine.env, "DOCKER_BUILD_FLAGS": "--network host --force-rm",
            "CUDA_BASE_IMAGE": LOCAL_BASE, "SLIM_BASE_IMAGE": LOCAL_BASE}
-    steps = [("base", [str(ROOT / "images/local-base.sh"), LOCAL_BASE], 900),
-             ("images", [str(ROOT / "images/build.sh"), "--stack", "gpu", GPU_TAG], timeout)]
-    for name, argv, limit in steps:
-        begin = time.monotonic()
-        with log.open("ab") as out:
-            res = subprocess.run(argv, stdout=out, stderr=out, env=env, timeout=limit,
-                                 cwd=ROOT)
-        if res.returncode:
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-            raise RuntimeError(f"{' '.join(argv)} failed: {' | '.join(tail)}")
-        times[name] = time.monotonic() - begin
-    return times
+    return _run_steps([("base", [str(ROOT / "images/local-base.sh"), LOCAL_BASE], 900),
+                       ("images", [str(ROOT / "images/build.sh"), "--stack", "gpu", GPU_TAG],
+                        timeout)], env, log)
