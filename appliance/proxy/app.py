@@ -25,21 +25,22 @@ from appliance.proxy.errors import NodeDown, ProxyError
 from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.paths import Exchange
 from appliance.proxy.exchange.relay import Relay
-from appliance.proxy.exchange.split import uuid4_str
+from appliance.proxy.exchange.bodies import uuid4_str
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
 from appliance.proxy.nodes.health import HealthPoller
 from appliance.proxy.openai_api import CHAT, COMPLETIONS, parse_request
-from appliance.proxy.ownership import Holder, PrefillKV, Pulls
+from appliance.proxy.ownership.kv import Holder, PrefillKV
+from appliance.proxy.ownership.pulls import Pulls
 from appliance.proxy.ownership.release import KVReleaser
 from appliance.proxy.placement import Decision, Placement, Ticket
 from appliance.proxy.placement.routing import Router
-from appliance.proxy.prefix import Lookup, PrefixCache
+from appliance.proxy.prefix.cache import Lookup, PrefixCache
 from appliance.proxy.record import Record
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.tracing import Tracing
-from appliance.proxy.upstream import Upstreams
+from appliance.proxy.upstream.pool import Upstreams
 from appliance.sidechannel import curve
 
 log = logging.getLogger("appliance.proxy")

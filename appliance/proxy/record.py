@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from appliance.proxy.ownership import PrefillKV
+from appliance.proxy.ownership.kv import PrefillKV
 
 if TYPE_CHECKING:
     from appliance.proxy.metrics import ProxyMetrics
     from appliance.proxy.placement import Decision, Ticket
-    from appliance.proxy.prefix import Lookup
+    from appliance.proxy.prefix.cache import Lookup
 
 access_log = logging.getLogger("appliance.proxy.access")
 

@@ -21,14 +21,16 @@ from aiohttp import web
 from appliance.proxy.errors import NodeDown, ProxyError, status_kind, upstream_error_body
 from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.relay import Relay, json_response
-from appliance.proxy.exchange.split import decode_body, new_transfer_id, prefill_body
+from appliance.proxy.exchange.bodies import decode_body, new_transfer_id, prefill_body
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.openai_api import COMPLETIONS, prefill_finish_reason, prefill_prompt_tokens
-from appliance.proxy.ownership import PREFILL_DOWN, Holder, PrefillKV, Pulls
+from appliance.proxy.ownership.kv import PREFILL_DOWN, Holder, PrefillKV
+from appliance.proxy.ownership.pulls import Pulls
 from appliance.proxy.record import Record
 from appliance.proxy.settings import ProxySettings
-from appliance.proxy.upstream import Pool, Response, UpstreamError, Upstreams, wait_any
+from appliance.proxy.upstream.pool import Pool, Upstreams, wait_any
+from appliance.proxy.upstream.response import Response, UpstreamError
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.encode

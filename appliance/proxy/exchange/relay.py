@@ -26,7 +26,7 @@ from appliance.proxy.exchange import first_token
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.openai_api import answer_usage
-from appliance.proxy.ownership import PREFILL_DOWN
+from appliance.proxy.ownership.kv import PREFILL_DOWN
 from appliance.proxy.record import Record
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.upstream.response import Response, UpstreamError

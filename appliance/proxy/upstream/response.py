@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 if TYPE_CHECKING:
-    from appliance.proxy.upstream import Pool
+    from appliance.proxy.upstream.pool import Pool
 
 # Above this much unread body the connection stops reading (a slow client slows D down
 # instead of growing the proxy's memory).
