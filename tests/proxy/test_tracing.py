@@ -223,7 +223,7 @@ async def test_span_ids_are_unique_in_a_trace_and_a_call_past_the_cap_joins_the_
     import msgspec
     from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 
-    from appliance.proxy.record import Record
+    from appliance.proxy.access import AccessRecord as Record
     from appliance.proxy.spanwriter import SpanWriter
     from appliance.proxy.tracing import MAX_CALLS, RequestTrace
 

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from appliance.proxy.upstream.response import Connection, Response, UpstreamError
 from appliance.proxy.waitqueue import WaitQueue
 
+
 class Pool:
     """Keep-alive connections to one node, at most `max_connections` open at once."""
 
@@ -51,7 +52,7 @@ class Pool:
         self._free = WaitQueue()  # callers waiting for a connection to free up
         self._starts: dict[str, str] = {}  # path -> request line and Host header
 
-    def _put(self, conn: Connection) -> None:
+    def put(self, conn: Connection) -> None:
         if conn.lost or conn.transport is None or conn.transport.is_closing():
             conn.abort()
             return
@@ -59,7 +60,7 @@ class Pool:
         self._idle.append(conn)
         self._free.wake_one()
 
-    def _closed(self, conn: Connection) -> None:
+    def closed(self, conn: Connection) -> None:
         """A connection is gone (its connection_lost): its slot is free."""
         self.open -= 1
         try:
@@ -206,7 +207,7 @@ class Upstreams:
         pool = self._pools.get(base_url)
         if pool is None:
             return 0
-        return self._fail([r for r in self.active if r._pool is pool], "down", why)
+        return self._fail([r for r in self.active if r.pool is pool], "down", why)
 
     def fail_all(self, why: str) -> int:
         """Fail every call in flight (the proxy is shutting down); returns how many."""
