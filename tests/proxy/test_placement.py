@@ -8,9 +8,9 @@ import re
 from dataclasses import replace
 
 import pytest
-from appliance.proxy.access import AccessRecord as Record
 from pydantic import ValidationError
 
+from appliance.proxy.access import AccessRecord as Record
 from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.placement import Decision, Estimates, Placement, Ticket, decide
 from appliance.proxy.placement.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
