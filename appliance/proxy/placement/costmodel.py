@@ -16,6 +16,8 @@ from appliance.proxy.openai_api import CHAT
 
 # A sample's weight falls by this factor per later sample: about the last 20-40 count.
 FORGET = 0.95
+# A line that ages with time is forgotten below this much of one sample's weight.
+FORGOTTEN = 0.25
 
 
 @dataclass
@@ -25,16 +27,41 @@ class Linear:
     spread in x the fit falls back to proportional (a = 0), which still ranks work right."""
 
     forget: float = FORGET
+    # Optional: the samples' weight also halves every `half_life_s` (`age`), and the line
+    # is forgotten once less than FORGOTTEN of a sample's weight is left; a sample above
+    # `clip` times the line's prediction counts as that (one outlier moves it little).
+    half_life_s: float | None = None
+    clip: float | None = None
     samples: int = 0
     _w: float = 0.0
     _x: float = 0.0
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
+    _at: float | None = None  # when `age` last ran
 
-    def observe(self, x: float, t: float) -> None:
+    def age(self, now: float) -> None:
+        """Forgets what time has passed since the last call (with a `half_life_s`)."""
+        if self.half_life_s is None:
+            return
+        if self._at is not None and now > self._at and self.samples:
+            f = 0.5 ** ((now - self._at) / self.half_life_s)
+            self._w, self._x, self._y = self._w * f, self._x * f, self._y * f
+            self._xx, self._xy = self._xx * f, self._xy * f
+            if self._w < FORGOTTEN:
+                self._w = self._x = self._y = self._xx = self._xy = 0.0
+                self.samples = 0
+        self._at = now
+
+    def observe(self, x: float, t: float, now: float | None = None) -> None:
         if x < 0 or t < 0:
             return
+        if now is not None:
+            self.age(now)
+        if self.clip is not None and self.samples >= 3:
+            line = self.predict(x)
+            if line:
+                t = min(t, self.clip * line)
         f = self.forget
         self._w = self._w * f + 1.0
         self._x = self._x * f + x

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -59,7 +60,7 @@ from appliance.proxy.placement.costmodel import (
     TokensPerChar,
     prompt_size,
 )
-from appliance.proxy.placement.tickets import Recent, Ticket
+from appliance.proxy.placement.tickets import Recent, Ticket, expire
 from appliance.proxy.prefix.cache import Lookup
 from appliance.proxy.settings import Split
 
@@ -78,6 +79,10 @@ RECENT_PROMPTS = 16
 # last answer) computes in about two, and D decoded nearly every conversation (README).
 P_ALONE_FIT = 4.0
 P_ALONE_SHARE = 0.6
+# The handoff line forgets half its weight in this long without a new sample (a line of
+# one sample is gone in two), and a sample counts as at most this many times the line.
+HANDOFF_HALF_LIFE_S = 30.0
+HANDOFF_CLIP = 4.0
 # The share of the compute spent on tokens the other node holds that counts against a
 # placement (the module's doc): one of the node's two engines' worth.
 DUPLICATE_SHARE = 0.5
@@ -208,12 +213,17 @@ class Placement:
     """The measurements and the decision; the proxy asks `choose` once per request."""
 
     def __init__(self, split: Split, itl_slo_ms: float | None,
-                 prefill_deadline_s: float | None = None) -> None:
+                 prefill_deadline_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.split = split
+        self.clock = clock
         self.prefill_deadline_s = prefill_deadline_s
         self.itl_slo_s = None if itl_slo_ms is None else itl_slo_ms / 1000
         self.prefill = Linear()  # P's and D's prefills, pooled (see the module's doc)
-        self.handoff = Linear()  # P's answer -> D's first token, in the prompt's tokens
+        # P's answer -> D's first token, in the prompt's tokens. Only remote streams time
+        # it, so an outlier that turns remote off would stay: it forgets with time too, and
+        # a sample far above the line counts as HANDOFF_CLIP times it.
+        self.handoff = Linear(half_life_s=HANDOFF_HALF_LIFE_S, clip=HANDOFF_CLIP)
         self.steps = StepTimes()
         self.step_line = Linear()  # seconds per streamed token against the node's requests
         self.output = Mean()  # recent requests' output tokens
@@ -259,6 +269,7 @@ class Placement:
             alone = max(p_line, self._waited(p, now))
             # Until a stream has timed it, the handoff counts as free (remote's best case).
             # Only the blocks D lacks move.
+            self.handoff.age(now)
             remote = alone + (self.handoff.predict(on_d) or 0.0)
         d_line = self.prefill.predict(d.prefill_tokens + on_d)
         local = None if d_line is None else max(d_line, self._waited(d, now))
@@ -325,7 +336,8 @@ class Placement:
         tokens = estimate if prefix is None else prefix.tokens
         cached_p = 0 if prefix is None else prefix.on(p.url)
         cached_d = 0 if prefix is None else prefix.on(d.url)
-        now = time.monotonic()
+        now = self.clock()
+        expire(self._queues.values(), now)
         auto = self.split == "auto"
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         e = (self.estimates(tokens, p, d, now, cached_p, cached_d,
@@ -344,6 +356,8 @@ class Placement:
         marks = decision.where == "remote" or body.get("stream") is True
         ticket = Ticket(node, self.prefill, work, cached, node.prefill_tokens, now, queue,
                         serving if marks else None)
+        if not marks and (line := self.prefill.predict(node.prefill_tokens + work)) is not None:
+            ticket.due = now + line  # a whole local or P-alone answer
         queue[ticket] = None
         node.prefill_tokens += work
         if marks:
@@ -360,7 +374,7 @@ class Placement:
             self.tokens_per_char["chat" if route == CHAT else "completions"].observe(
                 chars, prompt_tokens)
         if handoff is not None:
-            self.handoff.observe(*handoff)
+            self.handoff.observe(*handoff, now=self.clock())
         if step_s is not None:
             self.steps.observe(step_s)
             if batch:
@@ -369,7 +383,7 @@ class Placement:
             self.output.observe(output_tokens)
 
     def describe(self) -> dict[str, Any]:
-        now = time.monotonic()
+        now = self.clock()
         return {
             "policy": self.split,
             "last_minute": self._recent.totals(now),

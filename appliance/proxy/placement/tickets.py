@@ -4,6 +4,7 @@ its node until it closes), and the last minute's decisions (/status)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from appliance.proxy.nodes.backends import Backend
@@ -15,7 +16,8 @@ RECENT_S = 60
 @dataclass(slots=True, eq=False)
 class Ticket:
     """One prefill sent and not done: its tokens count as work queued on its node until
-    closed (P's answer; D's first token of a local stream; the request's end)."""
+    closed (P's answer; D's first token of a local stream; the request's end; or, when
+    none of those comes before the whole answer, its predicted end: `due`)."""
 
     backend: Backend
     model: Linear
@@ -29,6 +31,10 @@ class Ticket:
     # answer; a stream's first token): counted in its `prefilling` until then. A whole
     # local answer's ticket closes only at its end, so it counts as decoding throughout.
     serving: Backend | None = None
+    # When its prefill is predicted done, for a ticket whose end the proxy never sees
+    # before the answer's (a whole local or P-alone answer: its first byte is its last):
+    # past it, its tokens no longer count as queued (`expire`). None: closed when seen.
+    due: float | None = None
     open: bool = True
 
     def close(self, now: float, learn: bool, tokens: int | None = None) -> None:
@@ -42,6 +48,14 @@ class Ticket:
         if learn:
             n = self.tokens if tokens is None else max(1, tokens - self.cached)
             self.model.observe(self.ahead + n, now - self.sent)
+
+
+def expire(queues: Iterable[dict[Ticket, None]], now: float) -> None:
+    """Closes the tickets past their `due`: a whole answer's prefill, predicted done, no
+    longer holds its node's queue (else the node looks backlogged by the answer's age)."""
+    for queue in queues:
+        for ticket in [t for t in queue if t.due is not None and t.due <= now]:
+            ticket.close(now, learn=False)
 
 
 @dataclass
