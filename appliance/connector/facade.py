@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+    from appliance.connector.transfers.transport import Transport
+
+
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -58,7 +61,17 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from appliance.connector.worker import PDWorker
 
-            self.worker = PDWorker(self.settings, vllm_config, kv_cache_config)
+            self.worker = PDWorker(self.settings, vllm_config, kv_cache_config,
+                                   self.new_transport())
+
+    def new_transport(self) -> Transport:
+        """The KV transport the worker starts, picked here and only here: Mooncake's
+        TransferEngine. This method is the connector's transport seam: tests that inject
+        faults into real servers register a subclass (tests/faults/connector.py) that wraps
+        what it returns, so the path a user runs carries no test hook."""
+        from appliance.connector.transfers.mooncake import MooncakeTransport
+
+        return MooncakeTransport()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

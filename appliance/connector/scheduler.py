@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance.connector import engine_wait, faults
+from appliance.connector import engine_wait
 from appliance.connector.metadata import PDConnectorMetadata, RecvSpec, ReleaseSpec
 from appliance.connector.planning.groups import KVGroup, needed_blocks
 from appliance.connector.prefixwait import PrefillsInFlight
@@ -96,8 +96,6 @@ class PDScheduler:
                                            or min(g.block_size for g in groups))
                           if settings.shared_prefix_wait
                           and not any(g.window_blocks for g in groups) else None)
-        # Tests only (PD_FAULT_INJECTION): a producer that holds new prefills back.
-        self._faults = faults.from_env() if settings.is_producer else None
 
     # --- hooks shared by both roles -----------------------------------------------------
 
@@ -105,9 +103,6 @@ class PDScheduler:
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
-            if (self._faults is not None and params and params.get("do_remote_decode")
-                    and self._faults.holding_prefills()):
-                return None, False  # fault injection: waits in the queue, as in a backlog
             if self._prefills is not None:
                 other = self._prefills.computing_for(request, num_computed_tokens)
                 if other is not None:

@@ -1,8 +1,9 @@
 """Worker side of the connector (runs in each vLLM worker process, one per TP rank).
 
-Registers the KV cache with the Mooncake Transfer Engine (docs/protocol.md steps 1, 3, 5),
-then hands each step's metadata to the producer's `Sender` or the consumer's `Receiver`,
-which run on a background loop; vLLM's forward pass never waits on the network.
+Registers the KV cache with its transport (Mooncake's Transfer Engine; docs/protocol.md
+steps 1, 3, 5), then hands each step's metadata to the producer's `Sender` or the
+consumer's `Receiver`, which run on a background loop; vLLM's forward pass never waits on
+the network.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from appliance.connector.planning.tpplan import head_major
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.sidechannel.loop import LoopThread
 from appliance.connector.stats import PDConnectorStats, TransferStats
-from appliance.connector.transfers.mooncake import MooncakeTransport
+from appliance.connector.transfers.transport import Transport
 
 if TYPE_CHECKING:
     import torch
@@ -164,7 +165,7 @@ class ReadySends:
 
 class PDWorker:
     def __init__(self, settings: ConnectorSettings, vllm_config: Any,
-                 kv_cache_config: Any) -> None:
+                 kv_cache_config: Any, transport: Transport) -> None:
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
@@ -184,7 +185,7 @@ class PDWorker:
         self.kv_heads, self.total_heads = kv_heads_of(vllm_config)
         self.host = settings.resolved_host()
         self.stats = TransferStats()
-        self.transport = MooncakeTransport()
+        self.transport = transport  # not started yet (PDConnector.new_transport)
         self.transport.start(self.host, settings.protocol, settings.device_name)
         self.stats.record_transport(self.transport.transport)  # /metrics, `pdctl status`
         self.loop = LoopThread(f"pd-{settings.role}-tp{self.tp_rank}")

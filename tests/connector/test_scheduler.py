@@ -278,22 +278,6 @@ def test_a_receive_deadline_that_is_not_a_sane_number_is_refused(bad):
     assert [r.transfer_id for r in meta.releases] == ["x1"]
 
 
-def test_a_producer_holding_prefills_keeps_them_queued(tmp_path, monkeypatch):
-    """The fault seam of a backed-up P: vLLM skips a request whose matched tokens are not
-    known yet (None) and asks again next step; an abort meanwhile removes it uncomputed."""
-    hold = tmp_path / "hold"
-    monkeypatch.setenv("PD_FAULT_INJECTION", f"prefill_hold_file={hold}")
-    s = scheduler("producer")
-    req = Req("p1", list(range(40)), {"do_remote_decode": True, "transfer_id": "x1"})
-    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-    hold.touch()
-    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
-    plain = Req("p2", list(range(40)), {})
-    assert s.get_num_new_matched_tokens(plain, 0) == (0, False)  # only split prefills wait
-    hold.unlink()
-    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
-
-
 def test_the_trace_context_vllm_received_goes_to_the_worker_by_transfer():
     """vLLM hands the scheduler each request's trace headers (the proxy's call span):
     the worker records the transfer under it (appliance.connector.spans)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -21,6 +22,7 @@ from appliance.connector.stats import TransferStats
 from appliance.connector.transfers.mooncake import MooncakeTransport
 from appliance.connector.transfers.receiver import Receiver
 from appliance.connector.transfers.sender import Sender
+from appliance.connector.transfers.transport import Transport
 from appliance.connector.worker import kv_regions
 from appliance.sidechannel import messages as m
 
@@ -54,10 +56,11 @@ def make_mla_caches(fill: bool, seed: int = 0, device: str = "cpu") -> dict[str,
 
 class Side:
     def __init__(self, caches: dict[str, torch.Tensor],
-                 group_of: dict[str, int] | None = None) -> None:
+                 group_of: dict[str, int] | None = None,
+                 transport: Transport | None = None) -> None:
         self.caches = caches
         self.regions, infos = kv_regions(caches, BLOCKS, group_of)
-        self.transport = MooncakeTransport()
+        self.transport = transport if transport is not None else MooncakeTransport()
         self.transport.start("127.0.0.1")
         from appliance.connector.planning.plan import registration_spans
         self.transport.register(registration_spans(infos))
@@ -99,10 +102,12 @@ class Pair:
     """One producer and one consumer worker side sharing the test's event loop."""
 
     def __init__(self, bootstrap_url: str, device: str = "cpu", make=make_caches,
-                 group_of: dict[str, int] | None = None, **overrides) -> None:
+                 group_of: dict[str, int] | None = None,
+                 new_transport: Callable[[], Transport] = MooncakeTransport,
+                 **overrides) -> None:
         self.url = bootstrap_url
-        self.p = Side(make(True, device=device), group_of)
-        self.d = Side(make(False, device=device), group_of)
+        self.p = Side(make(True, device=device), group_of, new_transport())
+        self.d = Side(make(False, device=device), group_of, new_transport())
         common = {"bootstrap_addr": bootstrap_url, "host": "127.0.0.1",
                   "register_interval_s": 0.5, "send_timeout_s": 3, "recv_timeout_s": 3,
                   "cancel_grace_s": 1, **overrides}

@@ -25,6 +25,7 @@ from appliance.pdctl.cli import cli
 from appliance.process import ServiceFailed, ServiceProcess
 from tests.conftest import ROOT
 from tests.e2e.fabric import Host
+from tests.faults.launch import fault_env, faulty_config
 from tests.pdctl.test_render import compose
 
 # Shorter than the production defaults so a dead node is found (and its calls fail over)
@@ -110,11 +111,20 @@ def _argv(command: list[str]) -> list[str]:
 _ORDER = {"bootstrap": 0, "prefill": 1, "decode": 1, "proxy": 2}
 
 
+def _with_faults(command: list[str], env: dict[str, str],
+                 plan: str) -> tuple[list[str], dict[str, str]]:
+    """A vLLM service's command and environment, its connector tests.faults' with `plan`."""
+    at = command.index("--kv-transfer-config") + 1
+    return ([*command[:at], faulty_config(command[at]), *command[at + 1:]],
+            {**env, **fault_env(plan)})
+
+
 @contextmanager
 def bring_up(rendered: Path, hosts: dict[str, Host], log_dir: Path,
-             extra_env: dict[str, dict[str, str]] | None = None) -> Iterator[RunningCluster]:
+             faults: dict[str, str] | None = None) -> Iterator[RunningCluster]:
     """Every host's services as processes; all stopped (by process group) afterwards.
-    `extra_env["<host>/<service>"]` adds to one service's environment (fault seams)."""
+    `faults["<host>/<service>"]`: that vLLM service injects faults by this plan
+    (tests.faults)."""
     cluster = RunningCluster(hosts, log_dir=log_dir,
                              description=rendered.parent / "cluster.toml")  # as render() wrote
     plan = []
@@ -126,9 +136,11 @@ def bring_up(rendered: Path, hosts: dict[str, Host], log_dir: Path,
             key = f"{name}/{svc_name}"
             cpus = [int(c) for c in svc["cpuset"].split(",")] if svc.get("cpuset") else None
             env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
-            proc = ServiceProcess(key, hosts[name].run(_argv(svc["command"])),
-                                  log_dir / f"{name}-{svc_name}.log",
-                                  env={**env, **(extra_env or {}).get(key, {})}, cpus=cpus,
+            command = _argv(svc["command"])
+            if key in (faults or {}):
+                command, env = _with_faults(command, env, (faults or {})[key])
+            proc = ServiceProcess(key, hosts[name].run(command),
+                                  log_dir / f"{name}-{svc_name}.log", env=env, cpus=cpus,
                                   cwd=ROOT)
             proc.start()
             cluster.services[key] = proc

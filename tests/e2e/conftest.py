@@ -10,6 +10,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from appliance.localnode import LocalNode, NodeSpec
 from appliance.process import ServiceProcess
 from appliance.proxy.exchange.bodies import decode_body, prefill_body
 from tests.conftest import free_port
+from tests.faults.launch import fault_env, faulty_config
 from tests.otlp import Collector
 
 # Short deadlines so failure paths finish quickly in tests.
@@ -28,17 +30,40 @@ PREFILL_MAX_LEN = 1024
 HOLD = "hold-prefills"
 
 
+@dataclass
+class FaultyNodeSpec(NodeSpec):
+    """A node whose P and/or D run with a fault plan (tests.faults.plan's syntax): that
+    role's vLLM loads the fault-injection connector (tests.faults.connector); a role
+    without a plan runs the product's."""
+
+    prefill_faults: str = ""
+    decode_faults: str = ""
+
+    def __post_init__(self) -> None:
+        if self.prefill_faults:
+            self.prefill_env = {**self.prefill_env, **fault_env(self.prefill_faults)}
+        if self.decode_faults:
+            self.decode_env = {**self.decode_env, **fault_env(self.decode_faults)}
+
+    def kv_transfer_config(self, role: str) -> str:
+        config = super().kv_transfer_config(role)
+        plan = self.prefill_faults if role == "kv_producer" else self.decode_faults
+        return faulty_config(config) if plan else config
+
+
 @contextmanager
 def running_node(tiny_model: Path, log_dir: Path, timeout: float = 400,
                  **spec: Any) -> Iterator[LocalNode]:
     """A node of the tiny model on free ports, stopped afterwards whatever happens. Its
     proxy splits every request (these tests are about P, the transfer and D); placement
-    by `auto`, the default, has tests of its own (test_pd_placement.py)."""
+    by `auto`, the default, has tests of its own (test_pd_placement.py). `prefill_faults`
+    and `decode_faults` inject faults there (FaultyNodeSpec)."""
     spec.setdefault("connector_extra", dict(TEST_CONNECTOR))
     spec.setdefault("proxy_args", (*NodeSpec.proxy_args, "--split", "always"))
-    node = LocalNode(NodeSpec(model=tiny_model, prefill_port=free_port(),
-                              decode_port=free_port(), bootstrap_port=free_port(),
-                              log_dir=log_dir, **spec))
+    kind = FaultyNodeSpec if {"prefill_faults", "decode_faults"} & spec.keys() else NodeSpec
+    node = LocalNode(kind(model=tiny_model, prefill_port=free_port(),
+                          decode_port=free_port(), bootstrap_port=free_port(),
+                          log_dir=log_dir, **spec))
     node.start(timeout=timeout)
     try:
         yield node
@@ -75,7 +100,7 @@ def pd_node(tiny_model, tmp_path_factory, otlp_collector):
     logs = tmp_path_factory.mktemp("pd-node")
     with running_node(tiny_model, logs, proxy_port=free_port(),
                       prefill_args=("--max-model-len", str(PREFILL_MAX_LEN)),
-                      prefill_env={"PD_FAULT_INJECTION": f"prefill_hold_file={logs / HOLD}"},
+                      prefill_faults=f"prefill_hold_file={logs / HOLD}",
                       otlp_traces_endpoint=otlp_collector.url,
                       otlp_traces_protocol="http/protobuf") as node:
         yield node
@@ -84,7 +109,7 @@ def pd_node(tiny_model, tmp_path_factory, otlp_collector):
 @contextmanager
 def hold_prefills(node: LocalNode) -> Iterator[None]:
     """P (pd_node's) starts no prefill for a decode node meanwhile: they wait in its queue,
-    as behind a backlog (the connector's fault seam)."""
+    as behind a backlog (its connector is tests.faults')."""
     path = node.spec.log_dir / HOLD
     path.touch()
     try:

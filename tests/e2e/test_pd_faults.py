@@ -1,8 +1,8 @@
-"""Injected faults (the connector's seam, appliance.connector.faults) at 1 in 16 on P's
-Mooncake writes and side-channel replies, for a few hundred requests through the proxy:
-every answer is a plain server's exact output or an error, never another text; nothing is
-held afterwards; and a real Prometheus scraping the node fires the shipped transfer-failure
-alert."""
+"""Injected faults (tests.faults: the connector's transport on P, the replies D receives)
+at 1 in 16 on P's Mooncake writes and on side-channel replies, for a few hundred requests
+through the proxy: every answer is a plain server's exact output or an error, never another
+text; nothing is held afterwards; and a real Prometheus scraping the node fires the shipped
+transfer-failure alert."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = 24
 REPEATS = 8  # 192 requests, half of them streamed
-FAULTS = "write_fail=16,reply_drop=16,seed=3"
+FAULTS = "write_fail=16,reply_drop=16,seed=3"  # P fails writes, D drops replies
 
 
 def _body(i: int, stream: bool) -> dict:
@@ -52,7 +52,7 @@ async def test_faults_one_in_16_give_exact_output_or_an_error(
     proxy = (*NodeSpec.proxy_args, "--split", "always", "--prefill-timeout", "6")
     with running_node(tiny_model, tmp_path, proxy_port=free_port(), connector_extra=connector,
                       proxy_args=proxy,
-                      prefill_env={"PD_FAULT_INJECTION": FAULTS}) as node, \
+                      prefill_faults=FAULTS, decode_faults=FAULTS) as node, \
             running_prometheus(prometheus_bin, tmp_path / "prometheus", {
                 role: [url.removeprefix("http://")] for role, url in (
                     ("proxy", node.spec.proxy_url), ("prefill", node.spec.prefill_url),
@@ -78,10 +78,10 @@ async def test_faults_one_in_16_give_exact_output_or_an_error(
         errors = [a for a in answers if a[1] != 200]
         assert all(a[1] >= 400 for a in errors)
         assert max(a[3] for a in answers) < 60  # every one answered within the bound
-        log = log_text(node.prefill.log_path)
-        assert "fault injection ON" in log
-        assert log.count("fault injection: a Mooncake write failed") >= 3
-        assert log.count("fault injection: a side-channel reply dropped") >= 3
+        p_log, d_log = log_text(node.prefill.log_path), log_text(node.decode.log_path)
+        assert "fault injection ON" in p_log and "fault injection ON" in d_log
+        assert p_log.count("fault injection: a Mooncake write failed") >= 3
+        assert d_log.count("fault injection: a side-channel reply dropped") >= 3
         # and the faults cost answers nothing: D recomputed what it did not get
         assert len(errors) <= len(answers) // 20, errors[:3]
         await wait_no_blocks_held(node, within=60)

@@ -1,5 +1,5 @@
 """P frozen (SIGSTOP) or killed while its KV is on the way to D: P has answered, D waits for
-the transfer. P's writes are slowed (the connector's fault seam, write_delay_ms) so that the
+the transfer. P's writes are slowed (tests.faults' connector, write_delay_ms) so that the
 signal lands inside the transfer. The proxy finds P down from its health checks and asks D
 again alone: every client gets a plain server's exact output well before D's
 recv_timeout_s. Afterwards (P thawed, or restarted) P is back in rotation, the node serves
@@ -45,7 +45,7 @@ def slow_link_node(tiny_model, tmp_path_factory):
     connector = {**TEST_CONNECTOR, "recv_timeout_s": RECV_TIMEOUT_S, "send_timeout_s": 60}
     with running_node(tiny_model, tmp_path_factory.mktemp("mid-transfer"),
                       proxy_port=free_port(), connector_extra=connector,
-                      prefill_env={"PD_FAULT_INJECTION": f"write_delay_ms={DELAY_MS}"}) as node:
+                      prefill_faults=f"write_delay_ms={DELAY_MS}") as node:
         yield node
 
 

@@ -27,13 +27,14 @@ from appliance.process import (
 from tests.conftest import ROOT
 from tests.connector.test_transport import two_namespaces
 from tests.e2e.conftest import TEST_CONNECTOR, plain_request, token_prompt
+from tests.faults.launch import fault_env, faulty_config
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("ip") is None or os.geteuid() != 0,
                                  reason="needs root and iproute2")]
 
 
-DELAY_MS = 1500  # P's writes start this late (the fault seam): a cut lands mid-transfer
+DELAY_MS = 1500  # P's writes start this late (tests.faults): a cut lands mid-transfer
 BOUND_S = 15  # D's recv_timeout_s is 30 here
 
 
@@ -79,8 +80,11 @@ def two_hosts(tiny_model, tmp_path_factory):
         bootstrap = f"http://{ip_p}:8998"
 
         def vllm(name: str, ns: str, ip: str, port: int, spec: NodeSpec, role: str,
-                 cpu: int, env: dict[str, str]) -> ServiceProcess:
+                 cpu: int, faults: str = "") -> ServiceProcess:
             config = spec.kv_transfer_config(role).replace(spec.bootstrap_url, bootstrap)
+            env: dict[str, str] = {}
+            if faults:  # tests.faults' connector, with this plan
+                config, env = faulty_config(config), fault_env(faults)
             guard = ("--middleware", GUARD) if role == "kv_consumer" else ()
             argv = vllm_serve_argv(tiny_model, port, host=ip, served_model_name="tiny",
                                    block_size=CPU_BLOCK_SIZE, max_model_len=2048,
@@ -104,8 +108,8 @@ def two_hosts(tiny_model, tmp_path_factory):
                                                       str(node_keys.bootstrap_token)]),
                            tmp_path / "bootstrap.log"),
             vllm("prefill", ns_p, ip_p, 8010, spec_p, "kv_producer", 0,
-                 {"PD_FAULT_INJECTION": f"write_delay_ms={DELAY_MS}"}),
-            vllm("decode", ns_d, ip_d, 8020, spec_d, "kv_consumer", 1, {}),
+                 f"write_delay_ms={DELAY_MS}"),
+            vllm("decode", ns_d, ip_d, 8020, spec_d, "kv_consumer", 1),
             ServiceProcess("proxy", _in_ns(ns_d, proxy), tmp_path / "proxy.log"),
         ]
         for svc in services:

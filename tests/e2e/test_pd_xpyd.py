@@ -6,7 +6,7 @@ Mooncake TCP across the hosts.
 Checked: a plain server's greedy output token for token; every request's KV moved from the
 P the proxy named to the D it named (the proxy's access log against P's "sent" and D's
 "received" lines); both routing policies use every node of the role there is more than one
-of; a P killed mid-run (its transfers slowed by the fault seam, so some are in flight) is
+of; a P killed mid-run (its transfers slowed by tests.faults, so some are in flight) is
 routed around, every request ending in an exact answer or a clear error."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def cluster(request, tiny_model, tmp_path_factory):
     with fabric(len(shape)) as hosts:
         rendered = render(description(str(tiny_model), shape, [h.ip for h in hosts]), out)
         by_name = {name: h for (name, _, _), h in zip(shape, hosts, strict=True)}
-        slow_p0 = {"p0/prefill-0": {"PD_FAULT_INJECTION": f"write_delay_ms={DELAY_MS}"}}
+        slow_p0 = {"p0/prefill-0": f"write_delay_ms={DELAY_MS}"}
         with bring_up(rendered, by_name, out / "logs", slow_p0) as running:
             proxy_host = shape[-1][0]
             proxy = f"http://{by_name[proxy_host].ip}:8000"

@@ -1,9 +1,10 @@
-"""The one seam around Mooncake's TransferEngine (docs/protocol.md steps 1, 3, 5, 29).
+"""The product's KV transport: Mooncake's TransferEngine (docs/protocol.md steps 1, 3, 5, 29).
 
-Everything the connector asks of Mooncake goes through ``MooncakeTransport``: start the engine,
-register KV memory, write descriptor batches to a peer, probe a peer. Mooncake answers with bare
-return codes (details go to its own stderr log), so each failure becomes a ``TransferError``
-saying which call, which peer and what usually causes it.
+``MooncakeTransport`` is the connector's ``transport.Transport``, and everything it asks of
+Mooncake goes through it: start the engine, register KV memory, write descriptor batches to
+a peer, probe a peer. Mooncake answers with bare return codes (details go to its own stderr
+log), so each failure becomes a ``TransferError`` saying which call, which peer and what
+usually causes it.
 
 Which transport Mooncake installs is not what ``protocol`` says: its engine discovers RDMA
 devices itself and installs RDMA whenever one is usable, TCP otherwise, unless ``MC_FORCE_TCP``
@@ -20,11 +21,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.connector.planning.descriptors import MAX_BATCH_DESCS, Descriptors, split_batches
+from appliance.connector.transfers.transport import TransferError, WriteResult, WriteStopped
 from appliance.netaddr import host_port
 
 log = logging.getLogger("vllm.appliance.connector.mooncake")
@@ -37,28 +38,6 @@ _RDMA_REGISTER_HINT = (
     "with rdma on GPU memory, 'Bad address' in Mooncake's log means GPUDirect RDMA is missing: "
     "load nvidia_peermem (modprobe nvidia_peermem) or use a DMA-BUF capable driver/NIC"
 )
-
-
-class TransferError(RuntimeError):
-    """A Mooncake call failed; the message names the call, the peer and a likely cause."""
-
-
-class WriteStopped(TransferError):
-    """A write was stopped between two batches (its deadline passed, or it was cancelled or
-    preempted): the batches before it may have landed, none after it will."""
-
-
-@dataclass(frozen=True, slots=True)
-class WriteResult:
-    nbytes: int
-    descriptors: int
-    batches: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        """Throughput in GB/s (10^9 bytes)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def _check_rdma_devices(device_name: str, sys_root: Path) -> None:
@@ -158,7 +137,8 @@ def _not_rdma(transport: str, device_name: str) -> TransferError:
 
 
 class MooncakeTransport:
-    """One TransferEngine per worker process: ``start``, ``register``, then ``write``.
+    """One TransferEngine per worker process: ``start``, ``register``, then ``write``
+    (a ``transport.Transport``).
 
     ``write`` may be called from several threads at once (a sender pool): writes to one peer
     are serialised, because Mooncake's per-peer TCP queue limit (about 2,048 descriptors) counts

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appliance.connector.planning.descriptors import Descriptors
-from appliance.connector.transfers.mooncake import MooncakeTransport, WriteResult
 from appliance.connector.transfers.state import Transfer
+from appliance.connector.transfers.transport import Transport, WriteResult
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Outgoing(Transfer):
         return None
 
 
-def write(transport: MooncakeTransport, fence: Callable[[], None] | None, session: str,
+def write(transport: Transport, fence: Callable[[], None] | None, session: str,
           descs: Descriptors, max_batch: int,
           stop: Callable[[], str | None] | None = None) -> WriteResult:
     """In a push thread: wait for the KV to exist (GPU fence), then write, asking `stop`

@@ -30,8 +30,8 @@ from appliance.connector.sidechannel.peers import Peer, Peers
 from appliance.connector.sidechannel.producers import Producers
 from appliance.connector.spans import TransferSpans
 from appliance.connector.stats import TransferStats
-from appliance.connector.transfers.mooncake import MooncakeTransport
 from appliance.connector.transfers.state import Transfer, TransferState
+from appliance.connector.transfers.transport import Transport
 from appliance.sidechannel import curve
 from appliance.sidechannel import messages as m
 
@@ -61,7 +61,7 @@ def _remaining_ms(deadline: float) -> int:
 
 
 class Receiver:
-    def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
+    def __init__(self, settings: ConnectorSettings, transport: Transport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int,
                  stats: TransferStats, total_heads: int | None = None) -> None:
         self._key = curve.load(settings.side_channel_key_file)  # a bad file fails start-up

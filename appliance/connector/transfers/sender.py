@@ -23,7 +23,6 @@ import zmq.asyncio
 
 from appliance.bootstrap.client import BootstrapClient, BootstrapError
 from appliance.bootstrap.wire import Registration
-from appliance.connector import faults
 from appliance.connector.planning.descriptors import build_group_descriptors
 from appliance.connector.planning.plan import PlanError, Region
 from appliance.connector.planning.tpplan import Leg, leg_for
@@ -34,9 +33,9 @@ from appliance.connector.sidechannel.registration import keep_registered
 from appliance.connector.spans import TransferSpans
 from appliance.connector.stats import TransferStats
 from appliance.connector.transfers.ledger import Ledger
-from appliance.connector.transfers.mooncake import MooncakeTransport, TransferError
 from appliance.connector.transfers.outgoing import Outgoing, write
 from appliance.connector.transfers.state import TransferState
+from appliance.connector.transfers.transport import TransferError, Transport
 from appliance.deadlines import write_by_s
 from appliance.netaddr import host_port, url_host
 from appliance.sidechannel import curve
@@ -46,16 +45,14 @@ log = logging.getLogger("vllm.appliance.connector.transfers.sender")
 
 
 class Sender(Ledger):
-    def __init__(self, settings: ConnectorSettings, transport: MooncakeTransport,
+    def __init__(self, settings: ConnectorSettings, transport: Transport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int, dp_rank: int,
                  stats: TransferStats, thread_init: Callable[[], None] | None = None,
                  total_heads: int | None = None) -> None:
         self._key = curve.load(settings.side_channel_key_file)  # a bad file fails start-up
         self._internal = guard.networks(settings.internal_networks)
         self._curve: curve.CurveServer | None = None
-        self.faults = faults.from_env()  # None unless a test asks (PD_FAULT_INJECTION)
         self.spans = TransferSpans("prefill", settings.engine_id, tp_rank)
-        self._write = self.faults.wrap_write(write) if self.faults else write
         self.settings = settings
         self.transport = transport
         self.regions = regions
@@ -226,8 +223,6 @@ class Sender(Ledger):
 
     async def _reply(self, identity: bytes, resp: m.TransferResponse) -> None:
         assert self._sock is not None
-        if self.faults is not None and self.faults.drop_reply():
-            return
         await self._sock.send_multipart([identity, m.encode_response(resp)])
 
     def _accept(self, identity: bytes, msg: m.TransferRequest) -> None:
@@ -323,7 +318,7 @@ class Sender(Ledger):
             descs = build_group_descriptors(leg.src, leg.dst, t.block_ids, entry.block_ids)
             fence = t.fence
             result = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._write, self.transport, fence, session, descs,
+                self._pool, write, self.transport, fence, session, descs,
                 self.settings.max_batch_descs, t.stop_reason)
         except (PlanError, TransferError) as exc:
             self.stats.record_failure()

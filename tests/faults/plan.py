@@ -1,10 +1,11 @@
-"""Fault injection, for tests only: off unless a worker's environment sets
-`PD_FAULT_INJECTION`, e.g. `write_fail=16,reply_drop=16,write_delay_ms=5,seed=1`:
+"""A fault plan and its draws. A vLLM server started with `PD_FAULT_INJECTION` in its
+environment and this package's connector (tests.faults.connector), e.g.
+`write_fail=16,reply_drop=16,write_delay_ms=5,seed=1`, gets:
 
-- `write_fail=N`: 1 in N of P's Mooncake writes fails (as a lost peer would);
-- `reply_drop=N`: 1 in N of P's side-channel replies is never sent (D waits for its
-  deadline, then asks again or recomputes);
-- `write_delay_ms=M`: every write starts M ms late (a slow or congested link);
+- `write_fail=N`: 1 in N of P's transport writes fails (as a lost peer would);
+- `reply_drop=N`: 1 in N of the side-channel replies D receives is dropped, as if lost on
+  the way (D waits for its deadline, then asks again or recomputes);
+- `write_delay_ms=M`: every write of P starts M ms late (a slow or congested link);
 - `prefill_hold_file=PATH`: while PATH exists, P's scheduler starts no new prefill for a
   decode node (they wait in its queue, as behind a backlog, and an abort removes one
   before it is computed); removing the file lets them run;
@@ -20,17 +21,14 @@ import logging
 import os
 import random
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from appliance.connector.transfers.mooncake import TransferError
-
-log = logging.getLogger("vllm.appliance.connector.faults")
+# Under vLLM's logger, so that the lines reach the server's log with vLLM's own.
+log = logging.getLogger("vllm.tests.faults")
 
 ENV = "PD_FAULT_INJECTION"
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class FaultPlan:
 
 
 class Faults:
-    """The draws of one worker; thread-safe (writes run on the push threads)."""
+    """The draws of one process; thread-safe (writes run on the push threads)."""
 
     def __init__(self, plan: FaultPlan) -> None:
         self.plan = plan
@@ -86,25 +84,18 @@ class Faults:
             log.warning("fault injection: a side-channel reply dropped")
         return dropped
 
+    def fail_write(self) -> bool:
+        failed = self._one_in(self.plan.write_fail, "write_fail")
+        if failed:
+            log.warning("fault injection: a Mooncake write failed")
+        return failed
+
     def holding_prefills(self) -> bool:
         """P's scheduler: whether new prefills wait (prefill_hold_file exists)."""
         return bool(self.plan.prefill_hold_file) and os.path.exists(self.plan.prefill_hold_file)
 
-    def wrap_write(self, write: Callable[..., T]) -> Callable[..., T]:
-        """`write` (run on a push thread) with the plan's delay and failures before it."""
 
-        def faulty(*args: Any) -> T:
-            if self.plan.write_delay_ms:
-                time.sleep(self.plan.write_delay_ms / 1000)
-            if self._one_in(self.plan.write_fail, "write_fail"):
-                log.warning("fault injection: a Mooncake write failed")
-                raise TransferError("injected fault: the write failed")
-            return write(*args)
-
-        return faulty
-
-
-def from_env(environ: dict[str, str] | None = None) -> Faults | None:
+def from_env(environ: Mapping[str, str] | None = None) -> Faults | None:
     text = (os.environ if environ is None else environ).get(ENV, "")
     if not text:
         return None
