@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from appliance import tinymodel  # noqa: E402
 from appliance.localnode import LocalNode, NodeSpec  # noqa: E402
-from appliance.pdctl.status import metric_samples  # noqa: E402
+from appliance.pdctl.node.status import metric_samples  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 COMPUTED = "vllm:request_prefill_kv_computed_tokens_sum"

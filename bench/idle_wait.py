@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from ttft import SERVED, SETTLE_S, Setup, ours_setup  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
-from appliance.proxy.exchange.split import decode_body, prefill_body  # noqa: E402
+from appliance.proxy.exchange.bodies import decode_body, prefill_body  # noqa: E402
 from appliance.proxy.openai_api import COMPLETIONS  # noqa: E402
 from tests.e2e.conftest import token_prompt  # noqa: E402
 

@@ -55,7 +55,7 @@ import multiturn  # noqa: E402
 from ttft import SERVED, SETTLE_S, Setup, appliance_setup, serve  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
-from appliance.pdctl.status import metric_samples  # noqa: E402
+from appliance.pdctl.node.status import metric_samples  # noqa: E402
 from appliance.process import DECODE_PREFILL_CHUNK, ENGINE_STEP_TOKENS  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 

@@ -53,7 +53,7 @@ from appliance.process import (  # noqa: E402
     step_tokens_flags,
     vllm_serve_argv,
 )
-from appliance.proxy.exchange.split import decode_body, prefill_body  # noqa: E402
+from appliance.proxy.exchange.bodies import decode_body, prefill_body  # noqa: E402
 from appliance.proxy.openai_api import COMPLETIONS  # noqa: E402
 from appliance.proxy.prefix.tokenizer import folder_of  # noqa: E402
 from tests.conftest import free_port  # noqa: E402

@@ -11,8 +11,8 @@ from typing import Any
 import click
 from rich.console import Console
 
-from appliance.pdctl import config as cfgmod
-from appliance.pdctl.config import HostConfig, load_config
+from appliance.pdctl.config import hostconfig as cfgmod
+from appliance.pdctl.config.hostconfig import HostConfig, load_config
 from appliance.pdctl.errors import USAGE, ConfigError, PdctlError
 from appliance.pdctl.host.check import host_problems
 from appliance.pdctl.host.probe import HostProbe

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from appliance.proxy.errors import ProxyError
+from appliance.proxy.flight import Flight
 from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.waitqueue import WaitQueue
 
@@ -39,13 +40,14 @@ class Admission:
     def _free(self, decodes: Sequence[Backend]) -> list[Backend]:
         return [d for d in decodes if d.in_flight < self.limit]
 
-    async def admit(self, decodes: Callable[[], Sequence[Backend]],
+    async def admit(self, flight: Flight, decodes: Callable[[], Sequence[Backend]],
                     pick: Callable[[Sequence[Backend]], Backend]) -> Backend:
-        """A decode node for this request, its slot taken (`in_flight` counted); raises
-        Overloaded. `decodes` is asked again after each wait (health may have changed)."""
+        """A decode node for this request, its slot taken (`in_flight`, a lease of the
+        request's: given back, the first waiter gets it); raises Overloaded. `decodes` is
+        asked again after each wait (health may have changed)."""
         if not self.limit:
             d = pick(_healthy(decodes))
-            d.in_flight += 1
+            flight.hold(d, "in_flight")
             return d
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.queue_timeout_s
@@ -54,7 +56,7 @@ class Admission:
             free = self._free(_healthy(decodes))
             if free and (queued or not self.queued):  # nobody ahead of a newcomer
                 d = pick(free)
-                d.in_flight += 1
+                flight.hold(d, "in_flight", then=self._queue.wake_one)
                 return d
             if not queued and self.queued >= self.max_queued:
                 self.on_reject("queue_full")
@@ -69,11 +71,6 @@ class Admission:
             # A waiter woken earlier whose slot was taken keeps its place at the front.
             await self._queue.wait(left, front=queued)
             queued = True
-
-    def release(self, d: Backend) -> None:
-        """The request on `d` is over: its slot goes to the first waiter."""
-        d.in_flight -= 1
-        self._queue.wake_one()
 
 
 def _healthy(decodes: Callable[[], Sequence[Backend]]) -> Sequence[Backend]:

@@ -1,50 +1,39 @@
-"""The proxy's shared state and the entry of every generation request.
-
-Per request: read and check the body, pick D (admission: a slot, or a 429) and P, and hand
-the request to an exchange path (appliance.proxy.exchange); however it ends, release P's
-KV if the request still owes it (appliance.proxy.ownership), count it and log it. A node
-found down fails what it holds at once; for a P, so do the D calls waiting on its KV
-(they are asked again on D alone).
+"""The proxy's shared state: settings, nodes, routing, placement, metrics, the upstream
+pool, and when the proxy answers at all. Each generation request enters through
+appliance.proxy.entry. A node found down fails what it holds at once; for a P, so do the
+D calls waiting on its KV (they are asked again on D alone).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import Any
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
 from appliance import bearer
-from appliance.httperrors import json_error
 from appliance.proxy.admission import Admission
-from appliance.proxy.errors import NodeDown, ProxyError
-from appliance.proxy.exchange import first_token
-from appliance.proxy.exchange.paths import Exchange
+from appliance.proxy.exchange.paths import Paths
 from appliance.proxy.exchange.relay import Relay
-from appliance.proxy.exchange.split import uuid4_str
 from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
+from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
 from appliance.proxy.nodes.health import HealthPoller
-from appliance.proxy.openai_api import CHAT, COMPLETIONS, parse_request
-from appliance.proxy.ownership import Holder, PrefillKV, Pulls
+from appliance.proxy.openai_api import CHAT, COMPLETIONS
+from appliance.proxy.ownership.kv import PrefillKV
+from appliance.proxy.ownership.pulls import Pulls
 from appliance.proxy.ownership.release import KVReleaser
-from appliance.proxy.placement import Decision, Placement, Ticket
+from appliance.proxy.placement import Placement
 from appliance.proxy.placement.routing import Router
-from appliance.proxy.prefix import Lookup, PrefixCache
-from appliance.proxy.record import Record
+from appliance.proxy.prefix.cache import PrefixCache
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.tracing import Tracing
-from appliance.proxy.upstream import Upstreams
+from appliance.proxy.upstream.pool import Upstreams
 from appliance.sidechannel import curve
 
 log = logging.getLogger("appliance.proxy")
 
-_encode = msgspec.json.encode
 # Keyed with auth_ops_endpoints; /health and /ready stay open: they say only ready or not,
 # and load balancers, probes and the container's health check ask them without a key.
 _OPS_PATHS = frozenset({"/metrics", "/status"})
@@ -103,7 +92,7 @@ class Proxy:
         self.metrics.split_counts = self.placement.counts
         if self.tracing is not None:
             self.metrics.trace_spans = self.tracing.export.counts
-        self.exchange = Exchange(settings, self.metrics, self.backends, self.upstreams,
+        self.paths = Paths(settings, self.metrics, self.backends, self.upstreams,
                                  self.relay, self.pulls, self.base_headers)
 
     async def start(self, _app: web.Application | None = None) -> None:
@@ -218,182 +207,3 @@ class Proxy:
                 break
             await self.backends.rotation_changed(left)
         return why
-
-    async def generate(self, request: web.Request, route: str) -> web.StreamResponse:
-        given = request.headers.get("X-Request-Id")
-        if given and len(given) <= 256 and given.isascii() and given.isprintable():
-            rec = Record(route, given, time.monotonic())
-        else:  # absent, or not safe to send upstream verbatim
-            rec = Record(route, uuid4_str(), time.monotonic(), own_request_id=True)
-        if self.tracing is not None:
-            rec.trace = self.tracing.begin()
-        self.in_flight += 1
-        try:
-            resp = await self._generate(request, rec)
-            rec.status = resp.status
-            return resp
-        except ProxyError as exc:
-            rec.status, rec.error = exc.status, exc.message
-            return json_error(exc.status, exc.message, exc.err_type,
-                              headers={"X-Request-Id": rec.request_id, **exc.headers})
-        except asyncio.CancelledError:
-            rec.status, rec.error = 499, "client disconnected"  # nginx's code for it
-            raise
-        except ConnectionResetError:  # the client left as its answer started
-            rec.status, rec.error = 499, "client disconnected"
-            raise
-        except Exception as exc:
-            log.exception("request %s failed", rec.request_id)
-            rec.status, rec.error = 500, repr(exc)
-            return json_error(500, f"proxy error: {exc!r}",
-                              headers={"X-Request-Id": rec.request_id})
-        finally:
-            self.in_flight -= 1
-            if rec.computed_on is not None and rec.prefix is not None and self.prefix is not None:
-                self.prefix.unexpect(rec.computed_on, rec.prefix)
-            if rec.kv is not None:
-                rec.kv.p.transfers -= 1
-                self.pulls.done(rec.kv)
-                if rec.kv.owed:
-                    # However the request ended, no D took P's KV over: free it now rather
-                    # than after P's send_timeout_s.
-                    self.releaser.release(rec.kv)
-                    rec.kv.move(Holder.NONE, "released by the proxy")
-            self._learn(rec)
-            self.metrics.count_request(route, rec.status)
-            rec.observe_client(self.metrics, time.monotonic())
-            if rec.trace is not None:
-                rec.trace.finish(rec)
-            if self.settings.log_requests:
-                rec.log()
-
-    def _learn(self, rec: Record) -> None:
-        """What the finished request measured goes to the placement's estimates."""
-        if rec.ticket is not None:
-            rec.ticket.close(time.monotonic(), learn=False)
-        if rec.placed is None:
-            return
-        handoff = None
-        if (not rec.local and rec.fallback is None and rec.prefilled_at is not None
-                and rec.decode_first_at is not None and rec.status == 200):
-            # Only the blocks D lacks move.
-            handoff = ((rec.prompt_tokens or rec.placed.tokens) - rec.placed.cached_d,
-                       rec.decode_first_at - rec.prefilled_at)
-        output = rec.usage_output if rec.usage_output is not None else rec.tokens_out
-        self.placement.learned(rec.route, rec.prompt_chars, rec.prompt_tokens, handoff,
-                               rec.step_s, rec.batch, output if rec.status == 200 else None)
-
-    async def _generate(self, request: web.Request, rec: Record) -> web.StreamResponse:
-        if self.shutting_down:
-            raise ProxyError(503, "the proxy is shutting down")
-        limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise ProxyError(413, f"request body too large (limit {limit} bytes)")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ProxyError(413, f"request body too large (limit {limit} bytes)") from None
-        body = parse_request(raw, rec.route)
-
-        why = await self.wait_answerable()
-        if why is not None:
-            raise ProxyError(503, why)
-        prefills = self.backends.ready_prefill()
-        size = self.placement.tokens(body, rec.route)  # (estimated tokens, characters)
-        if prefills and self.prefix is not None:
-            rec.prefix = await self._lookup(body, rec, prefills, size[0])
-        rec.stream = body.get("stream") is True
-        asked = time.monotonic()
-        d = await self.admission.admit(
-            self.backends.ready_decode, lambda ds: self.router.pick_decode(ds, rec.prefix))
-        self.metrics.admission_wait.observe(time.monotonic() - asked)
-        try:
-            return await self._serve(request, rec, body, prefills, d, size)
-        except NodeDown as down:
-            if rec.ttfb_s is not None:
-                raise
-            return await self.exchange.elsewhere(
-                request, rec, body, down, self.backends.ready_decode(),
-                lambda ds: self.router.pick_decode(ds, rec.prefix))
-        finally:
-            self.admission.release(d)
-
-    async def _serve(self, request: web.Request, rec: Record, body: dict[str, Any],
-                     prefills: list[PrefillBackend], d: Backend,
-                     size: tuple[int, int]) -> web.StreamResponse:
-        """The request placed and sent on its path, D admitted."""
-        serving: Backend | None = None  # the node that decodes: counted in its `decodes`
-        try:
-            if not prefills:
-                serving = d
-                d.decodes += 1
-                return await self.exchange.plain(request, rec, body, d, "no_prefill")
-            if self.prefix is not None and rec.prefix is not None:
-                # As the index is now, and no await from here to `expect`: a burst on one
-                # prefix sees where the first of it is computed.
-                rec.prefix = self.prefix.recount(rec.prefix, list(rec.prefix.cached))
-            p = self.router.pick_prefill(prefills, rec.prefix)
-            rec.placed, rec.ticket, rec.prompt_chars = self._place(body, rec, p, d, size)
-            if self.prefix is not None and rec.prefix is not None:
-                # Its blocks are cached where it is computed from the step it is scheduled
-                # in: a burst on the same prefix goes there before the events say so.
-                rec.computed_on = (d if rec.placed.where == "local" else p).url
-                self.prefix.expect(rec.computed_on, rec.prefix)
-            serving = p if rec.placed.on_prefill else d
-            serving.decodes += 1
-            rec.batch = serving.decodes
-            if serving is p:  # P holds the request: drains, leaves and routing see it
-                p.in_flight += 1
-                rec.prefill = p.url
-            if rec.placed.local:
-                return await self.exchange.local(request, rec, body, serving)
-            if self.settings.first_token_from_prefill and body.get("stream") is True:
-                if first_token.ineligible(body, rec.route) is None:
-                    return await self.exchange.first_token(request, rec, body, p, d)
-                self.metrics.first_token.labels("decode").inc()
-            return await self.exchange.split(request, rec, body, p, d)
-        finally:
-            if serving is not None:
-                if rec.batch is not None:  # the requests its node held, at start and end
-                    rec.batch = (rec.batch + serving.decodes) / 2
-                serving.decodes -= 1
-                if serving is not d:
-                    serving.in_flight -= 1
-
-    async def _lookup(self, body: dict[str, Any], rec: Record,
-                      prefills: list[PrefillBackend], estimate: int) -> Lookup | None:
-        """The prompt's cached share on every node in rotation, from the prefix index, before
-        P and D are picked by it. Its ids come from the proxy's own tokenizer when it has
-        one, else from the least busy D's /tokenize: a D must answer the request anyway,
-        where a frozen P would hold every request for tokenize_timeout_s (a loaded D's API
-        server takes longer: 8-30 ms measured here with 8 streams on one core, against
-        2-3 ms idle; the access line's tokenize_ms)."""
-        assert self.prefix is not None
-        decodes = self.backends.ready_decode()
-        if not decodes:
-            return None
-        ask = min(decodes, key=lambda b: (b.in_flight, b.decodes))
-        return await self.prefix.lookup(body, rec.route, estimate, ask.url,
-                                        [b.url for b in (*prefills, *decodes)])
-
-    def _place(self, body: dict[str, Any], rec: Record, p: Backend, d: Backend,
-               size: tuple[int, int]) -> tuple[Decision, Ticket, int]:
-        """The placement's decision, with each node's cached share of the prompt when the
-        prefix index told it; the prediction counted for each node that computes the
-        prompt (P alone, D alone, or both: D looks its cache up for a remote one too)."""
-        placed = self.placement.choose(body, rec.route, p, d, rec.prefix, size)
-        decision = placed[0]
-        computing: list[tuple[Backend, int]] = []
-        if decision.where != "local":
-            computing.append((p, decision.cached_p))
-        if decision.where != "p_alone":
-            computing.append((d, decision.cached_d))
-        for node, cached in computing:
-            self.metrics.prefix_hits.labels(node.role, node.url).inc(cached)
-            self.metrics.prefix_queries.labels(node.role, node.url).inc(decision.tokens)
-        return placed
-
-    def route_handler(self, route: str) -> Any:
-        async def handler(request: web.Request) -> web.StreamResponse:
-            return await self.generate(request, route)
-        return handler

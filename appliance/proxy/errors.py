@@ -28,7 +28,7 @@ class ProxyError(Exception):
 class NodeDown(ProxyError):
     """The node serving a request failed before the client's first byte in a way that says
     it will not answer: unreachable, or found down by its health checks. Another decode node
-    may serve the request (appliance.proxy.exchange.paths.Exchange.elsewhere)."""
+    may serve the request (appliance.proxy.exchange.paths.Paths.elsewhere)."""
 
     def __init__(self, url: str, message: str) -> None:
         super().__init__(502, message)

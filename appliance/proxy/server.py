@@ -9,14 +9,17 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from appliance.httperrors import MAX_BODY_BYTES, error_body, json_error, json_errors_middleware
 from appliance.proxy import admin
-from appliance.proxy.app import COMPLETIONS_ROUTES, Proxy, _encode
+from appliance.proxy.app import COMPLETIONS_ROUTES, Proxy
+from appliance.proxy.entry import Entry
 from appliance.proxy.errors import ProxyError, proxy_errors_middleware
 from appliance.proxy.settings import ProxySettings
 
+_encode = msgspec.json.encode
 PROXY = web.AppKey("proxy", Proxy)
 
 
@@ -88,6 +91,7 @@ def _auth_middleware(proxy: Proxy) -> Any:
 def build_app(settings: ProxySettings) -> web.Application:
     """The proxy as an aiohttp app; run it with handler_cancellation=True (see serve())."""
     proxy = Proxy(settings)
+    entry = Entry(proxy)
     middlewares = [json_errors_middleware, proxy_errors_middleware]
     if settings.api_keys:
         middlewares.append(_auth_middleware(proxy))
@@ -99,7 +103,7 @@ def build_app(settings: ProxySettings) -> web.Application:
     app.on_cleanup.append(proxy.stop)
     app.router.add_routes(admin.routes(proxy))
     for route in COMPLETIONS_ROUTES:
-        app.router.add_post(route, proxy.route_handler(route))
+        app.router.add_post(route, entry.handler(route))
     app.router.add_routes(ops_routes(proxy))
     return app
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.observability.exportproc import ExportProcess
 
 if TYPE_CHECKING:
-    from appliance.proxy.record import Record
+    from appliance.proxy.access import AccessRecord
 
 # A request's calls that get spans (their span ids' last hex digit is 1 to 15).
 _DIGITS = "0123456789abcdef"
@@ -92,13 +92,13 @@ class Unsampled:
     def __init__(self) -> None:
         self._trace = f"00-{_hex(32)}-"
 
-    def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
+    def call(self, role: str, url: str, rec: AccessRecord, headers: dict[str, str]) -> None:
         span = _hex(16)
         if span == "0000000000000000":  # the one span id W3C rules out
             span = "0000000000000001"
         headers["traceparent"] = f"{self._trace}{span}-00"
 
-    def finish(self, rec: Record) -> None:
+    def finish(self, rec: AccessRecord) -> None:
         pass
 
 
@@ -107,8 +107,8 @@ class RequestTrace:
     makes its spans, on the proxy's hot path. Each method call and object here costs the
     proxy's one core several times what a loop timing it alone shows (its caches are cold
     with everything else a request touches), so a request makes one of these, one call per
-    upstream call and one at its end; P's call ends when P answered (Record.prefilled_at),
-    any call when the next to its node begins or the request ends.
+    upstream call and one at its end; P's call ends when P answered (the record's
+    `prefilled_at`), any call when the next to its node begins or the request ends.
 
     One random number names it all: the trace id, and a 60-bit stem of the span ids whose
     last hex digit is 0 for the request's own span and the call's index + 1 for a call's
@@ -128,7 +128,7 @@ class RequestTrace:
         # Role, node, transfer id, start and end (monotonic ns; 0 while it runs) of each.
         self._calls: list[Any] = []
 
-    def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None:
+    def call(self, role: str, url: str, rec: AccessRecord, headers: dict[str, str]) -> None:
         """A call to a `role` node begins (ending this request's earlier one there): its
         span's context goes in the call's `headers`."""
         calls = self._calls
@@ -144,7 +144,7 @@ class RequestTrace:
         headers["traceparent"] = f"{self._parent}{_DIGITS[n // CALL_FIELDS + 1]}-01"
         calls += (role, url, rec.transfer_id, now, 0)
 
-    def finish(self, rec: Record) -> None:
+    def finish(self, rec: AccessRecord) -> None:
         now = _monotonic_ns()
         calls = self._calls
         answered = rec.prefilled_at

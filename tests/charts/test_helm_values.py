@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from appliance.pdctl.cluster import parse_cluster
+from appliance.pdctl.cluster.description import parse_cluster
 from appliance.pdctl.cluster.helmvalues import KEYS_SECRET, helm_values
 from appliance.pdctl.errors import ConfigError
 from tests.charts.cases import Rendered

@@ -173,7 +173,7 @@ async def test_the_clusters_key_moves_kv_byte_for_byte(secure):
 async def test_proxy_release_needs_the_key(secure, key):
     from appliance.proxy.metrics import ProxyMetrics
     from appliance.proxy.nodes.backends import PrefillBackend
-    from appliance.proxy.ownership import PrefillKV
+    from appliance.proxy.ownership.kv import PrefillKV
     from appliance.proxy.ownership.release import KVReleaser
 
     p = PrefillBackend(role="prefill", url="http://p",

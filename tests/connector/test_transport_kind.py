@@ -33,7 +33,7 @@ from appliance.connector.transfers.mooncake import (
     installed_transport,
     topology_hcas,
 )
-from appliance.pdctl.status import metric_samples, transport
+from appliance.pdctl.node.status import metric_samples, transport
 
 NO_HCA = json.dumps({"cpu:0": [[], []]})
 ONE_HCA = json.dumps({"cpu:0": [["mlx5_0"], []], "cuda:0": [["mlx5_0"], []]})

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from appliance import kvbudget
-from appliance.pdctl.config import parse_config
+from appliance.pdctl.config.hostconfig import parse_config
 from appliance.pdctl.config.toml import to_toml
 from appliance.process import (
     CPU_BLOCK_SIZE,

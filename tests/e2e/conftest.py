@@ -18,7 +18,7 @@ import pytest
 
 from appliance.localnode import LocalNode, NodeSpec
 from appliance.process import ServiceProcess
-from appliance.proxy.exchange.split import decode_body, prefill_body
+from appliance.proxy.exchange.bodies import decode_body, prefill_body
 from tests.conftest import free_port
 from tests.otlp import Collector
 

@@ -10,7 +10,7 @@ import urllib.request
 
 import aiohttp
 
-from appliance.pdctl.status import metric_samples
+from appliance.pdctl.node.status import metric_samples
 from tests.e2e.conftest import ask
 
 

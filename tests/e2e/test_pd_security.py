@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from appliance.proxy.exchange.split import decode_body, prefill_body
+from appliance.proxy.exchange.bodies import decode_body, prefill_body
 from tests import netlisten
 from tests.conftest import free_port
 from tests.e2e.conftest import (

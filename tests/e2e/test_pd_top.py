@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from appliance.pdctl.status import metric_samples, sum_samples
+from appliance.pdctl.node.status import metric_samples, sum_samples
 from tests.e2e.observe import stream_load
 
 PDCTL = str(Path(sys.executable).parent / "pdctl")

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-from appliance.proxy.exchange.split import decode_body, prefill_body
+from appliance.proxy.exchange.bodies import decode_body, prefill_body
 from appliance.proxy.openai_api import COMPLETIONS
 from tests.e2e.conftest import post_json
 

@@ -1,4 +1,4 @@
-"""compose's `observability` profile (appliance.pdctl.observability): what `pdctl render`
+"""compose's `observability` profile (appliance.pdctl.node.observability): what `pdctl render`
 writes for it passes promtool and Compose's own check, scrapes this node's proxy, P and D
 by the labels the rules and the dashboard select on, provisions Grafana with that
 Prometheus and the dashboard, and is on only when the host config says so. (The profile's
@@ -14,9 +14,9 @@ import pytest
 import tomllib
 import yaml
 
-from appliance.pdctl.config import parse_config, read_toml
+from appliance.pdctl.config.hostconfig import parse_config, read_toml
 from appliance.pdctl.errors import ConfigError
-from appliance.pdctl.render import render
+from appliance.pdctl.node.render import render
 from tests.pdctl.conftest import GOOD_TOML
 from tests.pdctl.test_render import resolved
 

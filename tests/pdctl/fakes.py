@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.pdctl.cli import Env
+from appliance.pdctl.clibase import Env
 from appliance.pdctl.runner import NOT_FOUND, CommandResult
 
 UNLIMITED_LIMITS = """\

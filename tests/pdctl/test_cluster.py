@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from appliance.pdctl.cluster import parse_cluster
+from appliance.pdctl.cluster.description import parse_cluster
 from appliance.pdctl.errors import ConfigError
 from appliance.proxy.settings import load_settings
 
@@ -110,7 +110,7 @@ def test_each_problem(hosts: list[dict[str, Any]], wanted: str) -> None:
 
 
 def test_the_example_description_is_valid() -> None:
-    from appliance.pdctl.cluster import load_cluster
+    from appliance.pdctl.cluster.description import load_cluster
     from tests.conftest import ROOT
 
     plan = load_cluster(ROOT / "config" / "cluster.example.toml").plan()

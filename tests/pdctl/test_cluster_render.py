@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from appliance.connector.settings import ConnectorSettings
-from appliance.pdctl.config import load_config
+from appliance.pdctl.config.hostconfig import load_config
 from appliance.proxy.settings import load_settings
 from tests.pdctl.test_render import flag, kv_config, resolved
 

@@ -11,7 +11,7 @@ import pytest
 
 from appliance.bootstrap.app import build_app as bootstrap_app
 from appliance.bootstrap.settings import BootstrapSettings
-from appliance.pdctl.cluster import load_cluster
+from appliance.pdctl.cluster.description import load_cluster
 from appliance.proxy.server import build_app as proxy_app
 from appliance.proxy.settings import load_settings
 from tests.conftest import free_port

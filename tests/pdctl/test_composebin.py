@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from appliance.pdctl.compose.binary import PLUGIN, bundled_binary, find_compose
+from appliance.pdctl.host.composebin import PLUGIN, bundled_binary, find_compose
 from appliance.pdctl.host.doctor import run_checks
 from appliance.pdctl.host.probe import HostProbe
 from tests.pdctl.conftest import GOOD_TOML

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from appliance.pdctl.config import HostConfig, load_config, parse_config
+from appliance.pdctl.config.hostconfig import HostConfig, load_config, parse_config
 from appliance.pdctl.config.toml import to_toml
 from tests.conftest import ROOT
 from tests.pdctl.conftest import GOOD_TOML, error_lines

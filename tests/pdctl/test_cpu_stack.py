@@ -8,7 +8,7 @@ import json
 import pytest
 
 from appliance.kvbudget import MIB
-from appliance.pdctl.config import parse_config
+from appliance.pdctl.config.hostconfig import parse_config
 from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.errors import ConfigError
 from appliance.pdctl.host.doctor import run_checks, version_tuple

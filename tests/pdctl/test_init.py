@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from appliance.pdctl.config import load_config
+from appliance.pdctl.config.hostconfig import load_config
 from tests.pdctl.conftest import error_lines
 
 

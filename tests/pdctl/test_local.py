@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.pdctl.local.state import RUN_ID_ENV, STATE_FILE, marked_processes
+from appliance.pdctl.node.localstate import RUN_ID_ENV, STATE_FILE, marked_processes
 from tests.conftest import free_port
 from tests.pdctl.conftest import error_lines
 

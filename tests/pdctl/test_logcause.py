@@ -1,8 +1,8 @@
-"""The few log lines that say why a service failed (appliance.pdctl.logcause)."""
+"""The few log lines that say why a service failed (appliance.pdctl.node.logcause)."""
 
 from __future__ import annotations
 
-from appliance.pdctl.logcause import error_excerpt
+from appliance.pdctl.node.logcause import error_excerpt
 
 BAD_ARG = """\
 (APIServer pid=1) INFO 12-02 06:40:01 [utils.py:1] vLLM API server version 0.32.0

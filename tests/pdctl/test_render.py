@@ -14,9 +14,9 @@ import pytest
 
 from appliance.bootstrap.__main__ import main as bootstrap_cli
 from appliance.connector.settings import ConnectorSettings
-from appliance.pdctl.compose.binary import bundled_binary
-from appliance.pdctl.config import parse_config
-from appliance.pdctl.render import DEFAULT_DIR, unit_text
+from appliance.pdctl.config.hostconfig import parse_config
+from appliance.pdctl.host.composebin import bundled_binary
+from appliance.pdctl.node.render import DEFAULT_DIR, unit_text
 from appliance.proxy.settings import load_settings, load_toml
 from tests.conftest import ROOT
 from tests.pdctl.conftest import GOOD_TOML

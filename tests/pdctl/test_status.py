@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from appliance.pdctl.status import SERVICES
+from appliance.pdctl.node.status import SERVICES
 from tests.pdctl.servers import FakeContainer, FakeDocker, Node, Servers
 
 

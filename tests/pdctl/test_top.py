@@ -8,7 +8,7 @@ import math
 import pytest
 from rich.console import Console
 
-from appliance.pdctl.top import NodeSample, Sample, frame, quantile, render
+from appliance.pdctl.top.view import NodeSample, Sample, frame, quantile, render
 from tests.conftest import free_port
 from tests.pdctl.conftest import error_lines
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from appliance.pdctl.cli import cli
-from appliance.pdctl.config import load_config
+from appliance.pdctl.config.hostconfig import load_config
 from appliance.pdctl.host.topology import (
     Distance,
     GpuSite,

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from appliance.pdctl.cli import cli
-from appliance.pdctl.config import load_config
-from appliance.pdctl.render import PDCTL_BIN, unit_text
+from appliance.pdctl.config.hostconfig import load_config
+from appliance.pdctl.node.render import PDCTL_BIN, unit_text
 from tests.conftest import ROOT
 from tests.pdctl.conftest import GOOD_TOML
 from tests.pdctl.fakes import FakeHost, FakeRunner, env_for

@@ -99,6 +99,26 @@ class Cluster:
         async with self.http.get(f"{self.url}/metrics") as r:
             return await r.text()
 
+    async def close_client(self) -> None:
+        await self.http.close()
+
+    async def counts_left(self, within_s: float = 3.0) -> dict[str, int]:
+        """The counts requests hold on the proxy and its nodes that are not back to 0
+        within `within_s` (a handler cancelled by its client ends a moment later)."""
+        proxy = self.proxy.proxy
+
+        def left() -> dict[str, int]:
+            out = {"proxy.in_flight": proxy.in_flight}
+            for b in proxy.backends.all():
+                for counter in ("in_flight", "decodes", "prefilling", "prefill_tokens",
+                                "transfers"):
+                    out[f"{b.url}.{counter}"] = getattr(b, counter, 0)
+            return {k: v for k, v in out.items() if v}
+        deadline = time.monotonic() + within_s
+        while left() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return left()
+
     async def close(self) -> None:
         await self.http.close()
         await self.proxy.close()
@@ -149,7 +169,12 @@ async def make_cluster() -> AsyncIterator[MakeCluster]:
 
     yield make
     for cluster in made:
+        await cluster.close_client()
+        leaks = await cluster.counts_left()
         await cluster.close()
+        # Whatever a test did, once its client is gone every request has given back what
+        # it took (appliance.proxy.flight): no count is left on the proxy or a node.
+        assert not leaks, f"counts left after the test: {leaks}"
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.pdctl.status import metric_samples, sum_samples
+from appliance.pdctl.node.status import metric_samples, sum_samples
 from appliance.proxy.exchange.relay import token_events
 from appliance.proxy.metrics import ProxyMetrics
 from tests.proxy.conftest import Cluster, MakeCluster

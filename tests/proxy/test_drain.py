@@ -148,7 +148,7 @@ async def test_pdctl_drain_and_undo_against_the_running_proxy(make_cluster: Make
     from click.testing import CliRunner
 
     from appliance.pdctl.cli import cli
-    from appliance.pdctl.local.state import LocalState
+    from appliance.pdctl.node.localstate import LocalState
 
     c = await make_cluster(n_decode=2, backend_api_key="node-key")
     run_dir = tmp_path / "run"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from appliance.proxy.nodes.backends import PrefillBackend
-from appliance.proxy.ownership import Holder, OwnershipError, PrefillKV
+from appliance.proxy.ownership.kv import Holder, OwnershipError, PrefillKV
 
 
 def _kv() -> PrefillKV:
@@ -62,7 +62,7 @@ class _Call:
 def test_p_down_fails_over_only_the_pulls_d_has_not_landed() -> None:
     """A whole answer's D call stays ASKED for its whole decode; once D's KV events show it
     holds the blocks it pulled, P's failure must not rerun it on D alone."""
-    from appliance.proxy.ownership import Pulls
+    from appliance.proxy.ownership.pulls import Pulls
 
     landed = {"x-landed"}
     pulls = Pulls(lambda kv: kv.transfer_id in landed)

@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
+from appliance.proxy.access import AccessRecord as Record
 from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.placement import Decision, Estimates, Placement, Ticket, decide
 from appliance.proxy.placement.costmodel import Linear, StepTimes, TokensPerChar, prompt_size
-from appliance.proxy.prefix import Lookup
-from appliance.proxy.record import Record
+from appliance.proxy.prefix.cache import Lookup
 from appliance.proxy.settings import load_settings
 from tests.proxy.conftest import MakeCluster
 

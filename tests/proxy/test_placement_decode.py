@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
+from appliance.proxy.access import AccessRecord as Record
 from appliance.proxy.nodes.backends import Backend
 from appliance.proxy.placement import Decision, Placement, decide
 from appliance.proxy.placement.costmodel import Linear, Mean
-from appliance.proxy.record import Record
 from tests.proxy.conftest import MakeCluster
 
 

@@ -172,7 +172,8 @@ async def test_releaser_keeps_few_sockets(monkeypatch) -> None:
     """A restarted P worker listens on a new port: old sockets are closed, not hoarded."""
     from appliance.proxy.metrics import ProxyMetrics
     from appliance.proxy.nodes.backends import PrefillBackend
-    from appliance.proxy.ownership import PrefillKV, release
+    from appliance.proxy.ownership import release
+    from appliance.proxy.ownership.kv import PrefillKV
 
     monkeypatch.setattr(release, "_MAX_SOCKETS", 2)
     releaser = release.KVReleaser(ProxyMetrics())

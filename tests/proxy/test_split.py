@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from appliance.proxy.errors import ProxyError, sse_error_event, upstream_error_body
-from appliance.proxy.exchange.split import decode_body, new_transfer_id, prefill_body, uuid4_str
+from appliance.proxy.exchange.bodies import decode_body, new_transfer_id, prefill_body, uuid4_str
 from appliance.proxy.openai_api import CHAT, COMPLETIONS, parse_request, prefill_finish_reason
 
 XFER = "xfer-00000000-0000-4000-8000-000000000000"

@@ -223,7 +223,7 @@ async def test_span_ids_are_unique_in_a_trace_and_a_call_past_the_cap_joins_the_
     import msgspec
     from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 
-    from appliance.proxy.record import Record
+    from appliance.proxy.access import AccessRecord as Record
     from appliance.proxy.spanwriter import SpanWriter
     from appliance.proxy.tracing import MAX_CALLS, RequestTrace
 
@@ -285,7 +285,7 @@ async def test_tracing_is_paused_resumed_and_resampled_at_runtime_through_the_ad
     from click.testing import CliRunner
 
     from appliance.pdctl.cli import cli
-    from appliance.pdctl.local.state import LocalState
+    from appliance.pdctl.node.localstate import LocalState
 
     c = await make_cluster(otlp_traces_endpoint=collector.url, backend_api_key="node-key",
                            otlp_traces_protocol="http/protobuf", otlp_traces_sample_ratio=0.0)

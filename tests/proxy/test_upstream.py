@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from appliance.proxy.upstream import Pool, Response, UpstreamError, Upstreams, wait_any
+from appliance.proxy.upstream.pool import Pool, Upstreams, wait_any
+from appliance.proxy.upstream.response import Response, UpstreamError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

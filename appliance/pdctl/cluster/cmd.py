@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from appliance.pdctl.clibase import Env, env_of
-from appliance.pdctl.config import HostConfig
-
-if TYPE_CHECKING:
-    from appliance.pdctl.cluster.status import ClusterStatus
+from appliance.pdctl.cluster import status as clusterstatus
+from appliance.pdctl.cluster.compose import service_names
+from appliance.pdctl.cluster.description import host_plan, load_cluster
+from appliance.pdctl.cluster.render import render_cluster
+from appliance.pdctl.cluster.status import ClusterStatus
+from appliance.pdctl.config.hostconfig import HostConfig
 from appliance.pdctl.errors import RUNTIME
+from appliance.pdctl.node.dockerapi import DockerApi, DockerUnavailable
 
 
 def render(env: Env, path: Path, out_dir: Path | None, kubernetes: bool) -> None:
-    from appliance.pdctl.cluster import load_cluster
-    from appliance.pdctl.cluster.render import render_cluster
-
     desc = load_cluster(path)
     out = out_dir or path.parent / path.stem
     for f in render_cluster(desc, path.resolve(), out, kubernetes):
@@ -33,20 +32,12 @@ def render(env: Env, path: Path, out_dir: Path | None, kubernetes: bool) -> None
 
 
 def status(ctx: click.Context, path: Path, as_json: bool) -> None:
-    from appliance.pdctl.cluster import load_cluster
-    from appliance.pdctl.cluster import status as clusterstatus
-
     _report(ctx, clusterstatus.gather(load_cluster(path).plan()), as_json)
 
 
 def host_status(ctx: click.Context, cfg: HostConfig, as_json: bool) -> None:
     """`pdctl status` on a cluster host: its instances, sidecars and proxy (where it runs
     here), and its containers; `--cluster FILE` shows every host."""
-    from appliance.pdctl.cluster import host_plan
-    from appliance.pdctl.cluster import status as clusterstatus
-    from appliance.pdctl.cluster.compose import service_names
-    from appliance.pdctl.compose.dockerapi import DockerApi, DockerUnavailable
-
     status = clusterstatus.gather(host_plan(cfg))
     try:
         clusterstatus.add_containers(status, DockerApi.connect().project(cfg.compose.project),
@@ -58,8 +49,6 @@ def host_status(ctx: click.Context, cfg: HostConfig, as_json: bool) -> None:
 
 def _report(ctx: click.Context, status: ClusterStatus, as_json: bool) -> None:
     """Table or JSON; exit 1 unless healthy."""
-    from appliance.pdctl.cluster import status as clusterstatus
-
     if as_json:
         click.echo(json.dumps(status.as_dict(), indent=1))
     else:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from appliance.pdctl.config import HostConfig, engine_id
+from appliance.pdctl.config.hostconfig import HostConfig, engine_id
 
 ROLES = ("prefill", "decode")
 # The values that differ between two instances of a role on one host.

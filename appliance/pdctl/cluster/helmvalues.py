@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from appliance.pdctl.cluster import ROLES, ClusterDescription
+import yaml
+
+from appliance.pdctl.cluster.description import ROLES, ClusterDescription
 from appliance.pdctl.errors import ConfigError
 
 KEYS_SECRET = "pd-appliance-keys"
@@ -126,8 +128,6 @@ def helm_values(desc: ClusterDescription) -> dict[str, Any]:
 
 def values_yaml(desc: ClusterDescription, source: str = "") -> str:
     """helm_values() as the values file `pdctl render --cluster --kubernetes` writes."""
-    import yaml
-
     head = (f"# The Helm chart's values for the cluster {source} (charts/pd-appliance).\n"
             f"# Written by `pdctl render --cluster --kubernetes`: edit the description and "
             f"render again.\n# The keys: kubectl create secret generic {KEYS_SECRET} "

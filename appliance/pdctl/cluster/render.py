@@ -11,10 +11,11 @@ import shutil
 from pathlib import Path
 
 from appliance import keys
-from appliance.pdctl.cluster import ClusterDescription
+from appliance.pdctl.cluster.description import ClusterDescription
+from appliance.pdctl.cluster.helmvalues import values_yaml
 from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.errors import PdctlError
-from appliance.pdctl.render import DEFAULT_DIR, _write, keys_dir
+from appliance.pdctl.node.render import DEFAULT_DIR, keys_dir, write_file
 
 HOST_FILE = "host.toml"
 VALUES_FILE = "values.yaml"
@@ -33,7 +34,6 @@ def render_cluster(desc: ClusterDescription, source: Path, out_dir: Path,
     written: list[Path] = []
     values = None
     if kubernetes:  # first: a description the chart cannot take writes nothing
-        from appliance.pdctl.cluster.helmvalues import values_yaml
 
         values = values_yaml(desc, str(source))
     try:
@@ -44,10 +44,10 @@ def render_cluster(desc: ClusterDescription, source: Path, out_dir: Path,
             (host_dir / "keys").mkdir(parents=True, exist_ok=True, mode=0o700)
             for name in keys.NAMES:
                 shutil.copy2(shared.dir / name, host_dir / "keys" / name)
-            _write(host_dir / HOST_FILE, to_toml(cfg, _header(source, h.name)))
+            write_file(host_dir / HOST_FILE, to_toml(cfg, _header(source, h.name)))
             written.append(host_dir / HOST_FILE)
         if values is not None:
-            _write(out_dir / VALUES_FILE, values)
+            write_file(out_dir / VALUES_FILE, values)
             written.append(out_dir / VALUES_FILE)
     except OSError as exc:
         raise PdctlError(f"cannot write to {out_dir}: {exc.strerror or exc}") from None

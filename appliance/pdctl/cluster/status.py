@@ -12,8 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from appliance.pdctl.cluster import ClusterPlan
-from appliance.pdctl.status import (
+from appliance.pdctl.cluster.description import ClusterPlan
+from appliance.pdctl.node.status import (
     Reply,
     counters,
     fetch,

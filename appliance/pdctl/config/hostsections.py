@@ -1,6 +1,6 @@
 """The host config's host-facing sections: the host itself, its model, the devices P and D
 run on (GPUs, or CPUs on stack "cpu"), and a cluster host's instance lists;
-`appliance.pdctl.config` puts them together with the node-facing ones
+`appliance.pdctl.config.hostconfig` puts them together with the node-facing ones
 (`appliance.pdctl.config.sections`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from appliance.pdctl.config.sections import _NAME, _safe_path, _Section
+from appliance.pdctl.config.sections import NAME, Section, safe_path
 
 # vLLM flags pdctl sets itself; in extra_args they would silently fight the config.
 MANAGED_FLAGS = {
@@ -31,7 +31,7 @@ MANAGED_FLAGS = {
 }
 
 
-class HostSection(_Section):
+class HostSection(Section):
     name: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")
     # The internal address (the cluster network's): P, D, the bootstrap sidecar and the side
     # channels listen on it alone, and peers reach this host there. Only the proxy listens
@@ -55,7 +55,7 @@ class HostSection(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
+        if not NAME.match(v):
             raise ValueError("must be letters, digits, '.', '_' or '-'")
         return v
 
@@ -71,7 +71,7 @@ class HostSection(_Section):
         return str(addr)
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     path: str
     served_name: str | None = None
     tp_size: int = Field(1, ge=1, le=16)
@@ -109,7 +109,7 @@ class ModelSection(_Section):
     @field_validator("path")
     @classmethod
     def _path(cls, v: str) -> str:
-        return _safe_path(v, "the model directory")
+        return safe_path(v, "the model directory")
 
     @field_validator("served_name")
     @classmethod
@@ -139,7 +139,7 @@ def _once_each(values: list[int], what: str) -> list[int]:
     return values
 
 
-class GpusSection(_Section):
+class GpusSection(Section):
     prefill: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0], min_length=1)
     decode: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [1], min_length=1)
 
@@ -149,7 +149,7 @@ class GpusSection(_Section):
         return _once_each(v, "GPU")
 
 
-class CpusSection(_Section):
+class CpusSection(Section):
     # CPU stack: the CPUs P's and D's containers run on (`pdctl init` splits the host's in
     # two); required there.
     prefill: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
@@ -164,7 +164,7 @@ class CpusSection(_Section):
 Devices = list[Annotated[int, Field(ge=0)]]
 
 
-class InstanceLists(_Section):
+class InstanceLists(Section):
     """A host's P and D instances: one device list (GPUs, or CPUs on stack "cpu") each.
     Instance i listens on ports.<role> + i and has engine id `<host>-<role>-<i>`; P
     instance i has its own bootstrap sidecar on ports.bootstrap + i."""

@@ -1,5 +1,6 @@
 """The host config's node-facing sections (transfer, ports, timeouts, auth, TLS, images,
-compose) and the pieces every section shares; `appliance.pdctl.config` puts them together."""
+compose) and the pieces every section shares; `appliance.pdctl.config.hostconfig` puts
+them together."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from appliance.deadlines import (
 VERSION_TAG = "0.1.0"
 
 Port = Annotated[int, Field(ge=1, le=65535)]
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _UNSAFE = re.compile(r"[\s'\"$`\\]")
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     def problems(self) -> list[str]:
@@ -31,7 +32,7 @@ class _Section(BaseModel):
         return []
 
 
-def _safe_path(value: str, what: str) -> str:
+def safe_path(value: str, what: str) -> str:
     if not value.startswith("/"):
         raise ValueError(f"{what} must be an absolute path")
     if _UNSAFE.search(value):
@@ -40,10 +41,10 @@ def _safe_path(value: str, what: str) -> str:
 
 
 def _optional_file(value: str | None) -> str | None:
-    return None if value is None else _safe_path(value, "the file")
+    return None if value is None else safe_path(value, "the file")
 
 
-class TransferSection(_Section):
+class TransferSection(Section):
     # Set explicitly: "rdma" on GPU hosts with RDMA NICs, "tcp" anywhere else.
     protocol: Literal["rdma", "tcp"] = "rdma"
     # The RDMA devices Mooncake may use (its `device_name`, comma-joined): given several, it
@@ -97,7 +98,7 @@ class TransferSection(_Section):
 
 def _device_names(names: list[str]) -> list[str]:
     for name in names:
-        if not _NAME.match(name):
+        if not NAME.match(name):
             raise ValueError(f"{name!r} is not an RDMA device name (e.g. mlx5_0)")
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -105,7 +106,7 @@ def _device_names(names: list[str]) -> list[str]:
     return names
 
 
-class PortsSection(_Section):
+class PortsSection(Section):
     proxy: Port = 8000
     prefill: Port = 8010
     decode: Port = 8020
@@ -117,7 +118,7 @@ class PortsSection(_Section):
         return int(getattr(self, service)) + index
 
 
-class TimeoutsSection(_Section):
+class TimeoutsSection(Section):
     # How long `pdctl up` waits for every service to be healthy (first start loads weights).
     startup_s: float = Field(900.0, gt=0)
     # The proxy's wait for P's answer: what D and P wait derives from it and from
@@ -143,7 +144,7 @@ class TimeoutsSection(_Section):
         return self.kv_send_s or self.deadlines.send_s
 
 
-class AuthSection(_Section):
+class AuthSection(Section):
     # Clients' keys, one per line; the proxy then requires `Authorization: Bearer <key>` on
     # /v1/*. The node's own keys (P's and D's api key, the bootstrap token, the side
     # channels' CURVE key) are always on: `pdctl init` (and render) write them to keys/
@@ -160,7 +161,7 @@ class AuthSection(_Section):
         return _optional_file(v)
 
 
-class TlsSection(_Section):
+class TlsSection(Section):
     # HTTPS on the proxy's client-facing listener: both files (inside the config directory,
     # which the proxy's container mounts), or neither.
     cert_file: str | None = None
@@ -172,7 +173,7 @@ class TlsSection(_Section):
         return _optional_file(v)
 
 
-class ImagesSection(_Section):
+class ImagesSection(Section):
     # Default: pd-appliance/vllm (GPU stack) or pd-appliance/vllm-cpu (CPU stack).
     vllm: str | None = None
     slim: str = f"pd-appliance/slim:{VERSION_TAG}"
@@ -185,7 +186,7 @@ class ImagesSection(_Section):
         return v
 
 
-class ProxySection(_Section):
+class ProxySection(Section):
     """How the proxy places each request (appliance.proxy.placement)."""
 
     # always: P prefills every request and D decodes; never: D alone; auto: per request,
@@ -207,7 +208,7 @@ class ProxySection(_Section):
         return out
 
 
-class TracingSection(_Section):
+class TracingSection(Section):
     """Traces (OpenTelemetry, appliance.observability.tracing): off unless an OTLP endpoint
     is set; then P and D (vLLM's spans and the connector's) and the proxy export there."""
 
@@ -232,9 +233,9 @@ class TracingSection(_Section):
                 if self.otlp_endpoint else [])
 
 
-class ObservabilitySection(_Section):
+class ObservabilitySection(Section):
     """compose's `observability` profile: the node's own Prometheus and Grafana
-    (appliance.pdctl.observability)."""
+    (appliance.pdctl.node.observability)."""
 
     enabled: bool = False
     listen: str = "127.0.0.1"
@@ -253,7 +254,7 @@ class ObservabilitySection(_Section):
         return v
 
 
-class ComposeSection(_Section):
+class ComposeSection(Section):
     project: str = "pd-appliance"
     shm_size: str = "16g"
     # The proxy's client-facing address (every address by default). P, D and the bootstrap

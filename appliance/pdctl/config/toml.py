@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from appliance.pdctl.config import HostConfig
+from appliance.pdctl.config.hostconfig import HostConfig
 
 _HEADER = """\
 # pd-appliance host config: one file per host (written by `pdctl init`).

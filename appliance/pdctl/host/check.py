@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.pdctl.config import HostConfig
+from appliance.pdctl.config.hostconfig import HostConfig
 from appliance.pdctl.host.probe import HostProbe
 from appliance.pdctl.host.topology import natural_key
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import ipaddress
 
-from appliance.pdctl.compose.binary import MIN_COMPOSE, version_tuple
-from appliance.pdctl.config import HostConfig, PortsSection
+from appliance.pdctl.config.hostconfig import HostConfig
+from appliance.pdctl.config.sections import PortsSection
+from appliance.pdctl.host.composebin import MIN_COMPOSE, version_tuple
 from appliance.pdctl.host.pcichecks import check_acs, check_nic_placement
 from appliance.pdctl.host.probe import UNLIMITED, HostProbe, Memlock, RdmaDevice
 from appliance.pdctl.host.verdict import Check, failed, passed, skipped, warned
@@ -48,7 +49,7 @@ def _ranges(values: list[int]) -> str:
 
 
 # What compose.yaml needs: Engine 20.10 (API 1.41) for every key it uses (Compose's
-# minimum is appliance.pdctl.compose.binary's).
+# minimum is appliance.pdctl.host.composebin's).
 MIN_ENGINE = (20, 10)
 
 

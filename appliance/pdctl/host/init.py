@@ -11,15 +11,16 @@ import click
 from rich.console import Console
 
 from appliance import keys
-from appliance.pdctl import config as cfgmod
 from appliance.pdctl.clibase import config_option, config_path_of, env_of
-from appliance.pdctl.cluster import ROLES
-from appliance.pdctl.config import parse_config
+from appliance.pdctl.cluster.description import ROLES
+from appliance.pdctl.config import hostconfig as cfgmod
+from appliance.pdctl.config.hostconfig import parse_config
 from appliance.pdctl.config.toml import to_toml
 from appliance.pdctl.errors import USAGE, ConfigError, PdctlError
 from appliance.pdctl.host.check import host_problems
 from appliance.pdctl.host.probe import Gpu, HostProbe, RdmaDevice, split_cpus
 from appliance.pdctl.host.topology import GpuSite, assign_nics, role_devices
+from appliance.pdctl.node.render import keys_dir
 
 
 def _ints(value: str | None, what: str = "GPU") -> list[int] | None:
@@ -228,8 +229,6 @@ def _host_address(probe: HostProbe, nics: list[RdmaDevice]) -> tuple[str | None,
 
 
 def _write_keys(config: Path, rotate: bool) -> keys.NodeKeys:
-    from appliance.pdctl.render import keys_dir
-
     try:
         return keys.ensure(keys_dir(config.parent.resolve()), rotate=rotate)
     except OSError as exc:

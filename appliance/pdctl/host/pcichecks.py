@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from appliance.pdctl.cluster import ROLES
-from appliance.pdctl.config import HostConfig
+from appliance.pdctl.cluster.description import ROLES
+from appliance.pdctl.config.hostconfig import HostConfig
 from appliance.pdctl.host.probe import HostProbe
 from appliance.pdctl.host.topology import (
     Distance,

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.pdctl.compose.binary import Compose, find_compose
+from appliance.pdctl.host.composebin import Compose, find_compose
 from appliance.pdctl.host.topology import (
     GpuSite,
     Nic,

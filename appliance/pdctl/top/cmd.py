@@ -1,4 +1,4 @@
-"""`pdctl top`: a live view of the node (appliance.pdctl.top), refreshed every second until
+"""`pdctl top`: a live view of the node (appliance.pdctl.top.view), refreshed every second until
 Ctrl-C; `--once` prints one frame, `--json` its numbers."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from pathlib import Path
 import click
 from rich.live import Live
 
-from appliance.pdctl.admincmd import proxy_target
 from appliance.pdctl.clibase import config_option, env_of
+from appliance.pdctl.cluster.description import load_cluster
 from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
+from appliance.pdctl.node.admincmd import proxy_target
+from appliance.pdctl.top import view
 
 
 def _key(path: Path | None) -> str | None:
@@ -43,8 +45,6 @@ def top(ctx: click.Context, config_path: Path | None, local: bool, run_dir: Path
         cluster_path: Path | None, proxy_url: str | None, api_key_file: Path | None,
         interval: float, once: bool, as_json: bool) -> None:
     """Live view: request rate, client TTFT/ITL, each node's queue, KV usage and transfers."""
-    from appliance.pdctl import top as view
-
     if interval <= 0:
         raise PdctlError("--interval must be positive", USAGE)
     if sum(bool(x) for x in (proxy_url, cluster_path, local or config_path)) > 1:
@@ -52,8 +52,6 @@ def top(ctx: click.Context, config_path: Path | None, local: bool, run_dir: Path
     if proxy_url is not None:
         url, key_file = proxy_url.rstrip("/"), api_key_file
     elif cluster_path is not None:
-        from appliance.pdctl.cluster import load_cluster
-
         plan = load_cluster(cluster_path).plan()
         assert plan.proxy_url is not None  # a whole cluster's plan names its proxy
         url, key_file = plan.proxy_url, api_key_file

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.proxy.exchange.split import prefill_body, pull_params
+from appliance.proxy.exchange.bodies import prefill_body, pull_params
 from appliance.proxy.openai_api import CHAT, text_only
 
 _decode = msgspec.json.decode

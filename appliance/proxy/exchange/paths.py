@@ -20,15 +20,17 @@ from aiohttp import web
 
 from appliance.proxy.errors import NodeDown, ProxyError, status_kind, upstream_error_body
 from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.bodies import decode_body, new_transfer_id, prefill_body
 from appliance.proxy.exchange.relay import Relay, json_response
-from appliance.proxy.exchange.split import decode_body, new_transfer_id, prefill_body
+from appliance.proxy.flight import Flight
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends, PrefillBackend
 from appliance.proxy.openai_api import COMPLETIONS, prefill_finish_reason, prefill_prompt_tokens
-from appliance.proxy.ownership import PREFILL_DOWN, Holder, PrefillKV, Pulls
-from appliance.proxy.record import Record
+from appliance.proxy.ownership.kv import PREFILL_DOWN, Holder, PrefillKV
+from appliance.proxy.ownership.pulls import Pulls
 from appliance.proxy.settings import ProxySettings
-from appliance.proxy.upstream import Pool, Response, UpstreamError, Upstreams, wait_any
+from appliance.proxy.upstream.pool import Pool, Upstreams, wait_any
+from appliance.proxy.upstream.response import Response, UpstreamError
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.encode
@@ -39,7 +41,7 @@ DECODE_DOWN = "decode_down"
 _Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
 
 
-class Exchange:
+class Paths:
     def __init__(self, settings: ProxySettings, metrics: ProxyMetrics, backends: Backends,
                  upstreams: Upstreams, relay: Relay, pulls: Pulls,
                  base_headers: dict[str, str]) -> None:
@@ -51,45 +53,47 @@ class Exchange:
         self.pulls = pulls
         self.base_headers = base_headers
 
-    def _headers(self, rec: Record, node: Backend) -> dict[str, str]:
+    def _headers(self, flight: Flight, node: Backend) -> dict[str, str]:
         """A call's headers; with tracing on, its span begins and its context goes along."""
-        h = {"Content-Type": "application/json", "X-Request-Id": rec.request_id}
+        h = {"Content-Type": "application/json", "X-Request-Id": flight.rec.request_id}
         h.update(self.base_headers)
-        if rec.trace is not None:
-            rec.trace.call(node.role, node.url, rec, h)
+        if flight.trace is not None:
+            flight.trace.call(node.role, node.url, flight.rec, h)
         return h
 
-    def _prefill_headers(self, rec: Record, kv: PrefillKV) -> dict[str, str]:
+    def _prefill_headers(self, flight: Flight, kv: PrefillKV) -> dict[str, str]:
         """P's headers: with several dp ranks behind P's API server, the rank chosen (as
         vLLM's own example proxy does), so the prefill runs in the engine whose id D is told
         to pull from; without it P's server balances by itself and D waits on the wrong
         engine. One rank alone (no DP, or an external load balancer in front of each rank)
         gets none: such a server accepts only its local rank index."""
-        h = self._headers(rec, kv.p)
+        h = self._headers(flight, kv.p)
         if len(kv.p.engine_ids) > 1:
             h["X-data-parallel-rank"] = str(kv.rank)
         return h
 
-    def _pair(self, rec: Record, p: PrefillBackend, d: Backend) -> tuple[PrefillKV, str]:
+    def _pair(self, flight: Flight, p: PrefillBackend, d: Backend) -> tuple[PrefillKV, str]:
         """Picks P's dp rank and names the transfer: (the KV P will hold, P's engine id)."""
+        rec = flight.rec
         rank, engine_id = p.next_rank()
         # A request id of ours is a fresh uuid4: the transfer id reuses it (as the reference
         # does), which also ties the two together in logs; a client's id is not trusted to be
         # unique, so then the transfer id gets its own.
         rec.transfer_id = f"xfer-{rec.request_id}" if rec.own_request_id else new_transfer_id()
         rec.prefill, rec.decode = f"{p.url}#dp{rank}", d.url
-        rec.kv = PrefillKV(p, rank, rec.transfer_id, d_url=d.url,
-                           lands=() if rec.prefix is None else rec.prefix.lacking(d.url))
-        p.transfers += 1  # until the request ends (Proxy.generate): P stays known till then
-        return rec.kv, engine_id
+        kv = flight.take_kv(PrefillKV(
+            p, rank, rec.transfer_id, d_url=d.url,
+            lands=() if flight.prefix is None else flight.prefix.lacking(d.url)))
+        return kv, engine_id
 
-    async def split(self, request: web.Request, rec: Record, body: dict[str, Any],
+    async def split(self, request: web.Request, flight: Flight, body: dict[str, Any],
                     p: PrefillBackend, d: Backend) -> web.StreamResponse:
         """P and D at once; P's outcome before any byte of D's reaches the client."""
-        kv, engine_id = self._pair(rec, p, d)
+        rec = flight.rec
+        kv, engine_id = self._pair(flight, p, d)
         transfer_id = kv.transfer_id
-        headers = self._headers(rec, d)
-        p_headers = self._prefill_headers(rec, kv)
+        headers = self._headers(flight, d)
+        p_headers = self._prefill_headers(flight, kv)
         p_data = _encode(prefill_body(body, rec.route, transfer_id))
         d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id,
                                      self.settings.deadlines.recv_ms()))
@@ -98,8 +102,7 @@ class Exchange:
         d_timeout = self.settings.decode_read_timeout_s
 
         kv.move(Holder.ASKED, "D's request, sent with P's, asks for it")
-        p.in_flight += 1
-        p_counted = True
+        p_leg = flight.hold(p, "in_flight")  # until P answered
         p_resp: Response | None = None
         d_resp: Response | None = None
         handed_over = False
@@ -129,104 +132,103 @@ class Exchange:
                     # D is lost or refused: P's KV would wait for a pull that never comes.
                     pr.close()
                     handed_over = True
-                    return await self.relay.relay(request, rec, d, dr)
+                    return await self.relay.relay(request, flight, d, dr)
                 p_error = pr.error
             d_resp.touch()  # D's silence counts from P's answer: it was waiting for the KV
-            p.in_flight -= 1
-            p_counted = False
+            p_leg.release()
 
             if p_error is not None or p_resp is None:
                 assert p_error is not None
                 d_resp.close()
-                return await self._prefill_failed(request, rec, body, p, d, p_error)
+                return await self._prefill_failed(request, flight, body, p, d, p_error)
             p_raw = await p_resp.read()  # complete already: returns at once
             now = time.monotonic()
-            rec.prefill_answered(now, p_resp.status < 300, prefill_prompt_tokens(p_raw))
+            flight.prefill_answered(now, p_resp.status < 300, prefill_prompt_tokens(p_raw))
             rec.prefill_s = now - started
             self.metrics.prefill_latency.observe(rec.prefill_s)
             if p_resp.status >= 300:
                 # For example 400, prompt too long: D must not wait for KV that never comes.
                 d_resp.close()
-                return self._prefill_refused(rec, p, p_resp.status, p_raw)
+                return self._prefill_refused(flight, p, p_resp.status, p_raw)
             if (self.settings.fallback_on_prefill_stop
                     and prefill_finish_reason(p_raw) == "stop"):
                 d_resp.close()
-                return await self.plain(request, rec, body, d, "prefill_stopped")
+                return await self.plain(request, flight, body, d, "prefill_stopped")
             handed_over = True
             self.pulls.waiting(kv, d_resp)
-            return await self.relay.relay(request, rec, d, d_resp,
-                                          self._alone(rec, d, rec.route, _encode(body)))
-        finally:
-            if p_counted:
-                p.in_flight -= 1
+            return await self.relay.relay(request, flight, d, d_resp,
+                                          self._alone(flight, d, rec.route, _encode(body)))
+        finally:  # the calls' connections; the counts are the flight's
             if p_resp is not None:
                 p_resp.close()
             if d_resp is not None and not handed_over:
                 d_resp.close()
 
-    async def _prefill_failed(self, request: web.Request, rec: Record, body: dict[str, Any],
+    async def _prefill_failed(self, request: web.Request, flight: Flight, body: dict[str, Any],
                               p: PrefillBackend, d: Backend,
                               error: UpstreamError) -> web.StreamResponse:
         """P unreachable or timed out: D alone if allowed, else 503."""
-        if rec.ticket is not None:  # P's leg is over: its prompt leaves P's queue
-            rec.ticket.close(time.monotonic(), learn=False)
+        rec = flight.rec
+        flight.close_ticket(time.monotonic(), learn=False)  # P's leg is over
         if error.kind != "down":  # a down node's calls are counted once, together
             self.metrics.upstream_errors.labels("prefill", p.url, error.kind).inc()
         if error.kind == "connect":
             self.backends.mark_failed(p, str(error))
-            if rec.kv is not None:  # P never got it (a timed-out one may hold KV)
-                rec.kv.move(Holder.NONE, "P unreachable")
+            if flight.kv is not None:  # P never got it (a timed-out one may hold KV)
+                flight.kv.move(Holder.NONE, "P unreachable")
         if not self.settings.fallback_to_decode:
             raise ProxyError(503, f"prefill node {p.url}: {error}")
         rec.error = f"prefill: {error}"
         reason = {"timeout": "prefill_timeout", "down": PREFILL_DOWN}.get(error.kind,
                                                                          "prefill_unreachable")
-        return await self.plain(request, rec, body, d, reason)
+        return await self.plain(request, flight, body, d, reason)
 
-    def _prefill_refused(self, rec: Record, p: PrefillBackend, status: int,
+    def _prefill_refused(self, flight: Flight, p: PrefillBackend, status: int,
                          raw: bytes) -> web.Response:
         """P answered an error (for example 400, prompt too long): the client gets it."""
-        if rec.kv is not None:  # a P request that failed frees its own blocks
-            rec.kv.move(Holder.NONE, f"P answered {status}")
+        rec = flight.rec
+        if flight.kv is not None:  # a P request that failed frees its own blocks
+            flight.kv.move(Holder.NONE, f"P answered {status}")
         self.metrics.upstream_errors.labels("prefill", p.url, status_kind(status)).inc()
         rec.error = "prefill failed"
         return json_response(status, upstream_error_body(status, raw, f"prefill node {p.url}"),
                              rec)
 
-    async def first_token(self, request: web.Request, rec: Record, body: dict[str, Any],
+    async def first_token(self, request: web.Request, flight: Flight, body: dict[str, Any],
                           p: PrefillBackend, d: Backend) -> web.StreamResponse:
         """P first; its token goes to the client at once, then D continues after it
         (first_token module). D is asked only once P's answer says what to continue."""
-        kv, engine_id = self._pair(rec, p, d)
+        rec = flight.rec
+        kv, engine_id = self._pair(flight, p, d)
         transfer_id = kv.transfer_id
         p_data = _encode(first_token.prefill_request(body, rec.route, transfer_id))
         started = time.monotonic()
         p_resp: Response | None = None
         p_error: UpstreamError | None = None
-        p.in_flight += 1
+        p_leg = flight.hold(p, "in_flight")  # until P answered
         try:
             p_resp = await self.upstreams.pool(p.url).send(
-                rec.route, p_data, self._prefill_headers(rec, kv),
+                rec.route, p_data, self._prefill_headers(flight, kv),
                 read_timeout=self.settings.prefill_timeout_s)
             p_raw = await p_resp.read()
         except UpstreamError as exc:
             p_error = exc
-        finally:
-            p.in_flight -= 1
+        finally:  # the call's connection; the count is the flight's
             if p_resp is not None:
                 p_resp.close()
+        p_leg.release()
         if p_error is not None or p_resp is None:
             assert p_error is not None
-            return await self._prefill_failed(request, rec, body, p, d, p_error)
+            return await self._prefill_failed(request, flight, body, p, d, p_error)
         now = time.monotonic()
         rec.prefill_s = now - started
         self.metrics.prefill_latency.observe(rec.prefill_s)
         if p_resp.status >= 300:
-            rec.prefill_answered(now, False, None)
-            return self._prefill_refused(rec, p, p_resp.status, p_raw)
+            flight.prefill_answered(now, False, None)
+            return self._prefill_refused(flight, p, p_resp.status, p_raw)
 
         answer = first_token.parse_prefill_answer(p_raw, rec.route)
-        rec.prefill_answered(now, True, prefill_prompt_tokens(p_raw) if answer is None
+        flight.prefill_answered(now, True, prefill_prompt_tokens(p_raw) if answer is None
                              else len(answer.prompt_token_ids))
         if answer is None or not first_token.fits(body, rec.route, answer, d.max_model_len):
             # P's token cannot lead (a parser's output, half a character), or D would refuse
@@ -236,15 +238,15 @@ class Exchange:
             d_data = _encode(decode_body(body, transfer_id, p.bootstrap_url, engine_id,
                                          self.settings.deadlines.recv_ms(after_prefill=True)))
             kv.move(Holder.ASKED, "D asked to answer from it")
-            d_resp = await self._send_decode(rec, d, rec.route, d_data)
+            d_resp = await self._send_decode(flight, d, rec.route, d_data)
             self.pulls.waiting(kv, d_resp)
-            return await self.relay.relay(request, rec, d, d_resp,
-                                          self._alone(rec, d, rec.route, _encode(body)))
+            return await self.relay.relay(request, flight, d, d_resp,
+                                          self._alone(flight, d, rec.route, _encode(body)))
         stream = first_token.ClientStream(body, rec.route, answer)
         if answer.stopped:  # P's token is the whole answer; P freed its KV by itself
             kv.move(Holder.NONE, "P's token ended the answer")
             self.metrics.first_token.labels("prefill_only").inc()
-            out = await self.relay.open_stream(request, rec, stream.head())
+            out = await self.relay.open_stream(request, flight, stream.head())
             await out.write_eof()
             return out
         d_body = first_token.continuation_request(
@@ -253,14 +255,14 @@ class Exchange:
         kv.move(Holder.ASKED, "D asked to continue from it")
         # D is asked before the client hears anything: a client gone by then cancels
         # this handler, which cuts D's call and so frees the KV on both sides.
-        d_resp = await self._send_decode(rec, d, COMPLETIONS, _encode(d_body))
+        d_resp = await self._send_decode(flight, d, COMPLETIONS, _encode(d_body))
         self.pulls.waiting(kv, d_resp)
         del d_body["kv_transfer_params"]  # what D is asked if P goes down first
-        alone = self._alone(rec, d, COMPLETIONS, _encode(d_body))
+        alone = self._alone(flight, d, COMPLETIONS, _encode(d_body))
         self.metrics.first_token.labels("prefill_led").inc()
         try:
-            out = await self.relay.open_stream(request, rec, stream.head())
-            return await self.relay.continue_stream(rec, d, d_resp, out, stream, alone)
+            out = await self.relay.open_stream(request, flight, stream.head())
+            return await self.relay.continue_stream(flight, d, d_resp, out, stream, alone)
         finally:
             d_resp.close()
 
@@ -293,65 +295,65 @@ class Exchange:
         assert p_res is not None and d_res is not None
         return p_res, d_res
 
-    async def plain(self, request: web.Request, rec: Record, body: dict[str, Any],
+    async def plain(self, request: web.Request, flight: Flight, body: dict[str, Any],
                     d: Backend, reason: str) -> web.StreamResponse:
         """D alone, local prefill, no kv_transfer_params: the fallback when P cannot help."""
-        if rec.kv is not None:  # this D request does not ask for whatever P holds
-            rec.kv.given_up(f"D asked alone ({reason})")
+        rec = flight.rec
+        if flight.kv is not None:  # this D request does not ask for whatever P holds
+            flight.kv.given_up(f"D asked alone ({reason})")
         self.metrics.fallbacks.labels(reason).inc()
         rec.fallback = reason
-        return await self.local(request, rec, body, d)
+        return await self.local(request, flight, body, d)
 
-    async def local(self, request: web.Request, rec: Record, body: dict[str, Any],
-                    d: Backend) -> web.StreamResponse:
+    async def local(self, request: web.Request, flight: Flight, body: dict[str, Any],
+                    node: Backend) -> web.StreamResponse:
         """One node alone (D, or P placed `p_alone`): the client's request as it is,
         prefilled and decoded there. Placed so (appliance.proxy.placement), or the
         fallback's last leg."""
-        rec.decode = d.url
-        upstream = await self._send_decode(rec, d, rec.route, _encode(body))
-        return await self.relay.relay(request, rec, d, upstream)
+        rec = flight.rec
+        rec.decode = node.url  # the access line names the engine that decodes
+        upstream = await self._send_decode(flight, node, rec.route, _encode(body))
+        return await self.relay.relay(request, flight, node, upstream)
 
-    async def elsewhere(self, request: web.Request, rec: Record, body: dict[str, Any],
+    async def elsewhere(self, request: web.Request, flight: Flight, body: dict[str, Any],
                         down: NodeDown, decodes: list[Backend],
                         pick: Callable[[list[Backend]], Backend]) -> web.StreamResponse:
         """The node serving the request was found down (or unreachable) before the client's
         first byte: another D serves it alone, once (a rollout's old D, sent a request as
         it stopped, loses nothing). Whatever P held for it is given up. No other D: the
         502 stands."""
+        rec = flight.rec
         others = [b for b in decodes if b.url != down.url]
         if not others:
             raise down
-        if rec.ticket is not None:  # its prefill will not happen where it was queued
-            rec.ticket.close(time.monotonic(), learn=False)
+        # Its prefill will not happen where it was queued.
+        flight.close_ticket(time.monotonic(), learn=False)
         other = pick(others)
         log.warning("%s %s: %s; decode %s serves it alone", rec.route, rec.request_id,
                     down.message, other.url)
-        other.in_flight += 1
-        other.decodes += 1
-        try:
-            return await self.plain(request, rec, body, other, DECODE_DOWN)
-        finally:
-            other.in_flight -= 1
-            other.decodes -= 1
+        flight.serve_on(other, holds_node=True)  # its slot is not the request's admission
+        return await self.plain(request, flight, body, other, DECODE_DOWN)
 
-    async def _send_decode(self, rec: Record, d: Backend, route: str, data: bytes) -> Response:
+    async def _send_decode(self, flight: Flight, d: Backend, route: str, data: bytes) -> Response:
+        rec = flight.rec
         rec.serve_sent_at = time.monotonic()
         try:
             return await self.upstreams.pool(d.url).send(
-                route, data, self._headers(rec, d),
+                route, data, self._headers(flight, d),
                 read_timeout=self.settings.decode_read_timeout_s)
         except UpstreamError as exc:
             raise self.relay.decode_error(d, exc) from None
 
-    def _alone(self, rec: Record, d: Backend, route: str,
+    def _alone(self, flight: Flight, d: Backend, route: str,
                data: bytes) -> Callable[[], Awaitable[Response]]:
         """D's call asked again without P's KV: when the P it waited on went down."""
+        rec = flight.rec
         async def again() -> Response:
-            assert rec.kv is not None
-            rec.kv.given_up("its P went down while D waited for the KV")
+            assert flight.kv is not None
+            flight.kv.given_up("its P went down while D waited for the KV")
             self.metrics.fallbacks.labels("prefill_down").inc()
             rec.fallback = "prefill_down"
-            return await self._send_decode(rec, d, route, data)
+            return await self._send_decode(flight, d, route, data)
         return again
 
 

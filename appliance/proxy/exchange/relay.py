@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from appliance.proxy.access import AccessRecord
 from appliance.proxy.errors import (
     NodeDown,
     ProxyError,
@@ -23,11 +24,11 @@ from appliance.proxy.errors import (
     upstream_error_body,
 )
 from appliance.proxy.exchange import first_token
+from appliance.proxy.flight import Flight
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.openai_api import answer_usage
-from appliance.proxy.ownership import PREFILL_DOWN
-from appliance.proxy.record import Record
+from appliance.proxy.ownership.kv import PREFILL_DOWN
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.upstream.response import Response, UpstreamError
 
@@ -90,9 +91,10 @@ class Relay:
         self.metrics.upstream_errors.labels(d.role, d.url, status_kind(upstream.status)).inc()
         return upstream_error_body(upstream.status, raw, f"{d.role} node {d.url}")
 
-    async def relay(self, request: web.Request, rec: Record, d: Backend, upstream: Response,
+    async def relay(self, request: web.Request, flight: Flight, d: Backend, upstream: Response,
                     retry: Retry = None) -> web.StreamResponse:
         """D's answer, streamed chunk by chunk or whole; the upstream closed after."""
+        rec = flight.rec
         try:
             upstream = await self._head(d, upstream, retry)
             if upstream.status >= 400:
@@ -104,32 +106,33 @@ class Relay:
             content_type = upstream.header("content-type") or "application/json"
             if content_type.startswith("text/event-stream"):
                 out = await prepare_stream(request, rec, upstream.status, content_type)
-                return await self.stream(rec, d, upstream, out, retry=retry)
+                return await self.stream(flight, d, upstream, out, retry=retry)
             try:
                 raw = await upstream.read()
             except UpstreamError as exc:
                 if exc.kind == PREFILL_DOWN and retry is not None:
                     upstream.close()
-                    return await self.relay(request, rec, d, await self._again(d, retry))
+                    return await self.relay(request, flight, d, await self._again(d, retry))
                 if exc.kind == "down":  # nothing of the answer reached the client
                     raise NodeDown(d.url, str(exc)) from None
                 self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
                 raise ProxyError(502, f"{d.role} node {d.url} failed mid-answer: {exc}") from None
-            self._first_byte(rec, stream=False)
+            self._first_byte(flight, stream=False)
             rec.usage_prompt, rec.usage_output = answer_usage(raw)
-            if rec.kv is not None:
-                rec.kv.decode_answered()
+            if flight.kv is not None:
+                flight.kv.decode_answered()
             return web.Response(status=upstream.status, body=raw, headers={
                 "Content-Type": content_type, "X-Request-Id": rec.request_id})
         finally:
             # Closing an unfinished answer cuts the connection: vLLM aborts the request.
             upstream.close()
 
-    async def continue_stream(self, rec: Record, d: Backend, upstream: Response,
+    async def continue_stream(self, flight: Flight, d: Backend, upstream: Response,
                               out: web.StreamResponse, stream: first_token.ClientStream,
                               retry: Retry = None) -> web.StreamResponse:
         """D's continuation after P's token; the client's headers are sent already, so a
         failure of D becomes an error event."""
+        rec = flight.rec
         try:
             upstream = await self._head(d, upstream, retry)
         except ProxyError as exc:
@@ -140,11 +143,11 @@ class Relay:
                 return await self.end_stream(
                     out, rec, f"{d.role} node {d.url} answered {upstream.status}: "
                               f"{inner['error']['message']}")
-            return await self.stream(rec, d, upstream, out, rewrite=stream, retry=retry)
+            return await self.stream(flight, d, upstream, out, rewrite=stream, retry=retry)
         finally:
             upstream.close()
 
-    async def end_stream(self, out: web.StreamResponse, rec: Record,
+    async def end_stream(self, out: web.StreamResponse, rec: AccessRecord,
                          error: str) -> web.StreamResponse:
         """D failed before its first byte, after P's token went out (counted already)."""
         rec.error = error
@@ -155,37 +158,40 @@ class Relay:
             pass
         return out
 
-    async def open_stream(self, request: web.Request, rec: Record,
+    async def open_stream(self, request: web.Request, flight: Flight,
                           head: bytes) -> web.StreamResponse:
         """The client's stream, opened with P's token (`head`) as its first bytes."""
+        rec = flight.rec
         out = await prepare_stream(request, rec, 200, "text/event-stream; charset=utf-8")
         rec.led_by_prefill = True
-        self._first_byte(rec)
+        self._first_byte(flight)
         await out.write(head)
         rec.tokens_sent(token_events(head), time.monotonic(), self.metrics)
         return out
 
-    def _first_byte(self, rec: Record, stream: bool = True) -> None:
+    def _first_byte(self, flight: Flight, stream: bool = True) -> None:
+        rec = flight.rec
         if rec.ttfb_s is None:
             now = time.monotonic()
             rec.ttfb_s = now - rec.started
             self.metrics.decode_ttfb.observe(rec.ttfb_s)
-            if rec.local and rec.ticket is not None:
+            if rec.local:
                 # D's local prefill is done: a stream's first token times it; a whole
                 # answer's first byte comes after the decode too, so it teaches nothing.
-                rec.ticket.close(now, learn=stream)
+                flight.close_ticket(now, learn=stream)
 
-    async def stream(self, rec: Record, d: Backend, upstream: Response,
+    async def stream(self, flight: Flight, d: Backend, upstream: Response,
                      out: web.StreamResponse, *,
                      rewrite: first_token.ClientStream | None = None,
                      retry: Retry = None) -> web.StreamResponse:
         """D's stream to the client (the caller closes `upstream`; a retried one is closed
         here)."""
+        rec = flight.rec
         tail = b""
         error: str | None = None
         # A 200 stream's head may come before vLLM's engine has the request; its first
         # chunk comes after: from then on D's connector pulls or frees P's KV.
-        kv = rec.kv if upstream.status < 300 else None
+        kv = flight.kv if upstream.status < 300 else None
         relayed = False  # a byte of D's reached the client: D cannot be asked again
         again: Response | None = None
         events, last = 0, 0.0  # D's SSE events and when the latest came: its step time
@@ -205,7 +211,7 @@ class Relay:
                             chunk = rewrite.feed(chunk)
                             if not chunk:
                                 continue
-                        self._first_byte(rec)
+                        self._first_byte(flight)
                         try:
                             await out.write(chunk)
                         except ConnectionResetError:
@@ -259,7 +265,7 @@ class Relay:
         return out
 
 
-async def prepare_stream(request: web.Request, rec: Record, status: int,
+async def prepare_stream(request: web.Request, rec: AccessRecord, status: int,
                          content_type: str) -> web.StreamResponse:
     out = web.StreamResponse(status=status, headers={
         "Content-Type": content_type, "Cache-Control": "no-cache",
@@ -268,6 +274,6 @@ async def prepare_stream(request: web.Request, rec: Record, status: int,
     return out
 
 
-def json_response(status: int, body: dict[str, Any], rec: Record) -> web.Response:
+def json_response(status: int, body: dict[str, Any], rec: AccessRecord) -> web.Response:
     return web.Response(status=status, body=_encode(body), content_type="application/json",
                         headers={"X-Request-Id": rec.request_id})

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from appliance.proxy.metrics import ProxyMetrics
-from appliance.proxy.ownership import PrefillKV
+from appliance.proxy.ownership.kv import PrefillKV
 from appliance.sidechannel import messages as m
 from appliance.sidechannel.curve import (
     HANDSHAKE_FAILED,

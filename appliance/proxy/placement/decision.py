@@ -60,7 +60,7 @@ from appliance.proxy.placement.costmodel import (
     prompt_size,
 )
 from appliance.proxy.placement.tickets import Recent, Ticket
-from appliance.proxy.prefix import Lookup
+from appliance.proxy.prefix.cache import Lookup
 from appliance.proxy.settings import Split
 
 # Without an itl_slo_ms, a local prefill may add up to this many of D's unstalled steps.

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
 from appliance.proxy.nodes.backends import Backend
-from appliance.proxy.prefix import Lookup
+from appliance.proxy.prefix.cache import Lookup
 
 B = TypeVar("B", bound=Backend)
 

@@ -13,12 +13,22 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httptools
 
-if TYPE_CHECKING:
-    from appliance.proxy.upstream import Pool
+
+class Home(Protocol):
+    """What a call and its connection need of the pool they belong to
+    (appliance.proxy.upstream.pool.Pool)."""
+
+    loop: asyncio.AbstractEventLoop
+    active: set[Response]  # calls waiting for bytes, watched for read timeouts
+
+    def put(self, conn: Connection) -> None: ...  # a reusable connection, back
+
+    def closed(self, conn: Connection) -> None: ...  # a connection gone
+
 
 # Above this much unread body the connection stops reading (a slow client slows D down
 # instead of growing the proxy's memory).
@@ -38,7 +48,7 @@ class UpstreamError(Exception):
 class Connection(asyncio.Protocol):
     """One keep-alive connection, carrying one request at a time."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Home) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.lost = False  # closed, or not reusable after the current answer
@@ -62,7 +72,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self.pool._closed(self)
+        self.pool.closed(self)
         if self.response is not None:
             self.response._eof(exc)
 
@@ -79,9 +89,9 @@ class Response:
     several responses at one future to wait for whichever moves first.
     """
 
-    def __init__(self, pool: Pool, conn: Connection, read_timeout: float,
+    def __init__(self, pool: Home, conn: Connection, read_timeout: float,
                  deadline: float | None = None) -> None:
-        self._pool = pool
+        self.pool = pool
         self._conn = conn
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
@@ -164,7 +174,7 @@ class Response:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, ValueError) as exc:
             self._fail(UpstreamError("failed", f"malformed response: {exc}"))
-            self._pool.active.discard(self)
+            self.pool.active.discard(self)
             self._conn.abort()
             self._wake()
             return
@@ -172,7 +182,7 @@ class Response:
             self._paused = True
             self._conn.transport.pause_reading()
         if self.complete:
-            self._pool.active.discard(self)
+            self.pool.active.discard(self)
         self._wake()
 
     def _eof(self, exc: Exception | None = None) -> None:
@@ -184,7 +194,7 @@ class Response:
                 where = "mid-body" if self.head_done else "before answering"
                 self._fail(UpstreamError(
                     "failed", f"connection closed {where}" + (f": {exc}" if exc else "")))
-        self._pool.active.discard(self)
+        self.pool.active.discard(self)
         self._wake()
 
     def _fail(self, error: UpstreamError) -> None:
@@ -210,7 +220,7 @@ class Response:
     def abort(self, error: UpstreamError) -> None:
         """End the call with `error` now (a timeout, or its node found down)."""
         self._fail(error)
-        self._pool.active.discard(self)
+        self.pool.active.discard(self)
         self._conn.abort()  # a late answer must not land on a reused connection
         self._wake()
 
@@ -274,9 +284,9 @@ class Response:
         if self._released:
             return
         self._released = True
-        self._pool.active.discard(self)
+        self.pool.active.discard(self)
         self._conn.response = None
         if self.complete and not self._conn.lost:
-            self._pool._put(self._conn)
+            self.pool.put(self._conn)
         else:
             self._conn.abort()

@@ -124,7 +124,7 @@ def test_prompts_being_computed_count_as_cached_where_asked():
 async def test_a_lookup_counts_what_a_node_computes_now_but_a_pull_does_not():
     """The decision sees the blocks of a prompt in flight on P as cached there; which blocks
     D lacks (what its pull brings, appliance.proxy.ownership) is still what its events say."""
-    from appliance.proxy.prefix import PrefixCache
+    from appliance.proxy.prefix.cache import PrefixCache
 
     cache = PrefixCache(None, {}, lambda: (), hashing.DEFAULT_SEED, 5.0, 1.0)  # type: ignore[arg-type]
     for node in ("http://p", "http://d"):
@@ -150,7 +150,7 @@ async def test_a_configured_block_size_predicts_before_the_first_event():
     block size still hashes each prompt, so the second request of a prefix sees the first
     computing it; unconfigured, nothing is predicted until an event says the size, and
     then the event's size wins over a configured one."""
-    from appliance.proxy.prefix import PrefixCache
+    from appliance.proxy.prefix.cache import PrefixCache
 
     nodes = ["http://p", "http://d"]
     body = {"model": "m", "prompt": PROMPT}

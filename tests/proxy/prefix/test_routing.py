@@ -11,7 +11,7 @@ from appliance.proxy.placement.routing import (
     Router,
     SGLangCacheAware,
 )
-from appliance.proxy.prefix import Lookup
+from appliance.proxy.prefix.cache import Lookup
 
 
 def _nodes(role: str, *loads: int, queued: tuple[int, ...] = ()) -> list[Backend]:

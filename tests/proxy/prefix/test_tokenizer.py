@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from appliance.proxy.prefix import PrefixCache, hashing
+from appliance.proxy.prefix import hashing
+from appliance.proxy.prefix.cache import PrefixCache
 from appliance.proxy.prefix.tokenizer import (
     Checks,
     InProcess,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.pdctl.errors import PdctlError
-from appliance.pdctl.status import Endpoints, ProcessState
+from appliance.pdctl.node.status import Endpoints, ProcessState
 
 RUN_ID_ENV = "PDCTL_RUN_ID"
 STATE_FILE = "state.json"

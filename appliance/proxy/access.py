@@ -1,33 +1,23 @@
-"""What the access log line and the metrics say about one request."""
+"""What the access log line, the metrics and the trace say about one request: plain values,
+written by the request's owner (appliance.proxy.flight) as it goes; nothing here is
+control state."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-from appliance.proxy.ownership import PrefillKV
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from appliance.proxy.metrics import ProxyMetrics
-    from appliance.proxy.placement import Decision, Ticket
-    from appliance.proxy.prefix import Lookup
+    from appliance.proxy.placement import Decision
 
 access_log = logging.getLogger("appliance.proxy.access")
 
 
-class Trace(Protocol):
-    """A request's spans (appliance.proxy.tracing: sampled or not): each upstream call puts
-    its context into the call's headers, and the request's end closes it."""
-
-    def call(self, role: str, url: str, rec: Record, headers: dict[str, str]) -> None: ...
-
-    def finish(self, rec: Record) -> None: ...
-
-
 @dataclass(slots=True)
-class Record:
+class AccessRecord:
     route: str
     request_id: str
     started: float
@@ -40,17 +30,14 @@ class Record:
     ttfb_s: float | None = None
     fallback: str | None = None
     error: str | None = None
-    kv: PrefillKV | None = None  # set once P is asked to keep KV for a transfer
-    # Adaptive disaggregation (appliance.proxy.placement): where the prompt is prefilled,
-    # the prefill's ticket (its tokens queued on P or D until done), and what the request
-    # showed: the prompt's characters and true tokens (P's usage), when P answered and D's
-    # first token came (monotonic), its node's time per streamed token.
+    # Where the prompt was placed and why, with what `auto` weighed (appliance.proxy.placement).
     placed: Decision | None = None
-    ticket: Ticket | None = None
-    # The prompt's exact tokens and each node's cached share (None: not predicted), and
-    # the node that computes it (its blocks `expected` there in the index until the end).
-    prefix: Lookup | None = None
-    computed_on: str | None = None
+    # The prompt's exact tokens by the prefix index, and what tokenizing them took (None:
+    # not looked up).
+    looked_up: int | None = None
+    tokenize_s: float = 0.0
+    # The prompt's characters and true tokens (P's usage), when P answered and D's first
+    # token came (monotonic), its node's time per streamed token.
     prompt_chars: int = 0
     prompt_tokens: int | None = None
     prefilled_at: float | None = None
@@ -67,8 +54,6 @@ class Record:
     tokens_out: int = 0
     usage_prompt: int | None = None
     usage_output: int | None = None
-    # Its spans, when tracing is on (appliance.proxy.tracing).
-    trace: Trace | None = None
 
     @property
     def local(self) -> bool:
@@ -113,13 +98,6 @@ class Record:
         if output:
             metrics.output_tokens.observe(path, output)
 
-    def prefill_answered(self, now: float, ok: bool, prompt_tokens: int | None) -> None:
-        """P answered (its KV is ready for D): its prefill leaves P's queue."""
-        self.prefilled_at = now
-        self.prompt_tokens = prompt_tokens
-        if self.ticket is not None:
-            self.ticket.close(now, learn=ok, tokens=prompt_tokens)
-
     def log(self) -> None:
         total = time.monotonic() - self.started
         access_log.info(
@@ -135,11 +113,11 @@ class Record:
 
     def _cached(self) -> str:
         """P's and D's cached prompt tokens of the prompt's, and what tokenizing it took."""
-        if self.prefix is None or self.placed is None:
+        if self.looked_up is None or self.placed is None:
             return "-"
-        out = f"{self.placed.cached_p}/{self.placed.cached_d}/{self.prefix.tokens}"
-        if self.prefix.tokenize_s:
-            out += f" tokenize_ms={self.prefix.tokenize_s * 1000:.1f}"
+        out = f"{self.placed.cached_p}/{self.placed.cached_d}/{self.looked_up}"
+        if self.tokenize_s:
+            out += f" tokenize_ms={self.tokenize_s * 1000:.1f}"
         return out
 
     def _weighed(self) -> str:

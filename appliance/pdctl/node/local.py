@@ -21,11 +21,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from appliance import kvbudget
-from appliance.pdctl.config import TransferSection
+from appliance import kvbudget, tinymodel
+from appliance.launcher import installed_vllm
+from appliance.localnode import LocalNode, NodeSpec
+from appliance.pdctl.config.sections import TransferSection
 from appliance.pdctl.errors import USAGE, PdctlError
 from appliance.pdctl.host.probe import split_cpus
-from appliance.pdctl.local.state import (
+from appliance.pdctl.node.localstate import (
     RUN_ID_ENV,
     STATE_FILE,
     LocalState,
@@ -34,7 +36,8 @@ from appliance.pdctl.local.state import (
     kill_marked,
     marked_processes,
 )
-from appliance.pdctl.status import Endpoints
+from appliance.pdctl.node.status import Endpoints
+from appliance.process import ServiceFailed
 
 TINY = "tiny"
 
@@ -118,7 +121,6 @@ def resolve_model(opts: LocalOptions, say: Callable[[str], None]) -> tuple[Path,
             raise PdctlError(f"--model {opts.model}: not a model directory (no config.json)",
                              USAGE)
         return opts.model, opts.served_model_name or opts.model.name, None
-    from appliance import tinymodel
 
     target = opts.cache_dir / "models" / TINY
     fresh = not (target / tinymodel.STAMP).exists()
@@ -136,10 +138,6 @@ def resolve_model(opts: LocalOptions, say: Callable[[str], None]) -> tuple[Path,
 
 
 def up_local(opts: LocalOptions, console: Console, detach: bool = False) -> int:
-    from appliance.launcher import installed_vllm
-    from appliance.localnode import LocalNode, NodeSpec
-    from appliance.process import ServiceFailed
-
     begin = time.monotonic()
     problems = opts.problems()
     if problems:

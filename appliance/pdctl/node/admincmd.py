@@ -19,22 +19,21 @@ from pathlib import Path
 import click
 
 from appliance.pdctl.clibase import config_option, config_path_of, env_of
+from appliance.pdctl.config.hostconfig import load_config
 from appliance.pdctl.errors import RUNTIME, USAGE, PdctlError
+from appliance.pdctl.node.local import default_run_dir
+from appliance.pdctl.node.localstate import LocalState
+from appliance.pdctl.node.render import keys_dir, local_addr
 
 
 def proxy_target(config_path: Path | None, local: bool, run_dir: Path | None) -> tuple[str, Path]:
     """(the proxy's URL, the node's keys/api-key file)."""
-    from appliance.pdctl.local.node import default_run_dir
-    from appliance.pdctl.local.state import LocalState
-
     run_dir = run_dir or default_run_dir()
     state = LocalState.load(run_dir) if (local or config_path is None) else None
     if state is not None:
         return state.endpoints["proxy"], run_dir / "keys" / "api-key"
     if local:
         raise PdctlError(f"no local node is running (no state in {run_dir})")
-    from appliance.pdctl.config import load_config
-    from appliance.pdctl.render import keys_dir, local_addr
 
     path = config_path_of(config_path)
     if not path.exists():

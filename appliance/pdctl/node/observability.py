@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from appliance.netaddr import host_port
-from appliance.pdctl.config import HostConfig
+from appliance.pdctl.config.hostconfig import HostConfig
 
 DIR = "observability"
 PROFILE = "observability"

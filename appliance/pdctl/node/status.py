@@ -38,7 +38,7 @@ class ProcessState:
     detail: str = ""
     restarts: int | None = None
     exit_code: int | None = None  # containers: the last exit code Docker recorded
-    cause: tuple[str, ...] = ()  # not ok: the error lines of its log (appliance.pdctl.logcause)
+    cause: tuple[str, ...] = ()  # not ok: the error lines of its log (node.logcause)
 
 
 @dataclass

@@ -63,6 +63,8 @@ def _unavailable(exc: BaseException) -> DockerUnavailable:
 
 
 def _sdk_errors() -> tuple[type[BaseException], ...]:
+    # docker and requests load here, not at the top: ~40 ms each at every pdctl start, and
+    # only the commands that talk to the daemon need them.
     import docker.errors
     import requests
 
@@ -78,7 +80,7 @@ class DockerApi:
     @classmethod
     def connect(cls, timeout: float = 10.0) -> DockerApi:
         try:
-            import docker
+            import docker  # here, not at the top: see _sdk_errors
         except ImportError:
             raise PdctlError("the docker Python SDK is not installed (pip install docker)") \
                 from None

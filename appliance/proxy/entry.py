@@ -1,0 +1,195 @@
+"""The entry of every generation request (docs/protocol.md steps 1-10): read and check the
+body, look its prompt up in the prefix index, pick D (admission: a slot, or a 429) and P,
+place it (appliance.proxy.placement) and hand it to an exchange path
+(appliance.proxy.exchange). Everything the request takes is held by its Flight
+(appliance.proxy.flight) and given back in `generate`'s one `finally`, however it ended;
+then what it measured goes to the placement's estimates, the metrics and the access line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from appliance.httperrors import json_error
+from appliance.proxy.access import AccessRecord
+from appliance.proxy.app import Proxy
+from appliance.proxy.errors import NodeDown, ProxyError
+from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.bodies import uuid4_str
+from appliance.proxy.flight import Flight
+from appliance.proxy.nodes.backends import Backend, PrefillBackend
+from appliance.proxy.openai_api import parse_request
+from appliance.proxy.prefix.cache import Lookup
+
+log = logging.getLogger("appliance.proxy")
+
+
+class Entry:
+    """The generation routes' handler, over the proxy's shared state."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    def handler(self, route: str) -> Any:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self.generate(request, route)
+        return handle
+
+    async def generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        px = self.proxy
+        given = request.headers.get("X-Request-Id")
+        if given and len(given) <= 256 and given.isascii() and given.isprintable():
+            rec = AccessRecord(route, given, time.monotonic())
+        else:  # absent, or not safe to send upstream verbatim
+            rec = AccessRecord(route, uuid4_str(), time.monotonic(), own_request_id=True)
+        flight = Flight(rec, None if px.tracing is None else px.tracing.begin(), px.pulls,
+                        px.releaser, px.prefix)
+        flight.hold(px, "in_flight")
+        try:
+            resp = await self._generate(request, flight)
+            rec.status = resp.status
+            return resp
+        except ProxyError as exc:
+            rec.status, rec.error = exc.status, exc.message
+            return json_error(exc.status, exc.message, exc.err_type,
+                              headers={"X-Request-Id": rec.request_id, **exc.headers})
+        except asyncio.CancelledError:
+            rec.status, rec.error = 499, "client disconnected"  # nginx's code for it
+            raise
+        except ConnectionResetError:  # the client left as its answer started
+            rec.status, rec.error = 499, "client disconnected"
+            raise
+        except Exception as exc:
+            log.exception("request %s failed", rec.request_id)
+            rec.status, rec.error = 500, repr(exc)
+            return json_error(500, f"proxy error: {exc!r}",
+                              headers={"X-Request-Id": rec.request_id})
+        finally:
+            flight.end()
+            self._learn(rec)
+            px.metrics.count_request(route, rec.status)
+            rec.observe_client(px.metrics, time.monotonic())
+            if flight.trace is not None:
+                flight.trace.finish(rec)
+            if px.settings.log_requests:
+                rec.log()
+
+    def _learn(self, rec: AccessRecord) -> None:
+        """What the finished request measured goes to the placement's estimates."""
+        if rec.placed is None:
+            return
+        handoff = None
+        if (not rec.local and rec.fallback is None and rec.prefilled_at is not None
+                and rec.decode_first_at is not None and rec.status == 200):
+            # Only the blocks D lacks move.
+            handoff = ((rec.prompt_tokens or rec.placed.tokens) - rec.placed.cached_d,
+                       rec.decode_first_at - rec.prefilled_at)
+        output = rec.usage_output if rec.usage_output is not None else rec.tokens_out
+        self.proxy.placement.learned(rec.route, rec.prompt_chars, rec.prompt_tokens, handoff,
+                                     rec.step_s, rec.batch,
+                                     output if rec.status == 200 else None)
+
+    async def _generate(self, request: web.Request, flight: Flight) -> web.StreamResponse:
+        px, rec = self.proxy, flight.rec
+        if px.shutting_down:
+            raise ProxyError(503, "the proxy is shutting down")
+        limit = px.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ProxyError(413, f"request body too large (limit {limit} bytes)")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ProxyError(413, f"request body too large (limit {limit} bytes)") from None
+        body = parse_request(raw, rec.route)
+
+        why = await px.wait_answerable()
+        if why is not None:
+            raise ProxyError(503, why)
+        prefills = px.backends.ready_prefill()
+        size = px.placement.tokens(body, rec.route)  # (estimated tokens, characters)
+        if prefills and px.prefix is not None:
+            flight.looked_up(await self._lookup(body, rec.route, prefills, size[0]))
+        rec.stream = body.get("stream") is True
+        asked = time.monotonic()
+        d = await px.admission.admit(
+            flight, px.backends.ready_decode,
+            lambda ds: px.router.pick_decode(ds, flight.prefix))
+        px.metrics.admission_wait.observe(time.monotonic() - asked)
+        try:
+            return await self._serve(request, flight, body, prefills, d, size)
+        except NodeDown as down:
+            if rec.ttfb_s is not None:
+                raise
+            flight.stop_serving()  # the node that went down serves it no longer
+            return await px.paths.elsewhere(
+                request, flight, body, down, px.backends.ready_decode(),
+                lambda ds: px.router.pick_decode(ds, flight.prefix))
+
+    async def _serve(self, request: web.Request, flight: Flight, body: dict[str, Any],
+                     prefills: list[PrefillBackend], d: Backend,
+                     size: tuple[int, int]) -> web.StreamResponse:
+        """The request placed and sent on its path, D admitted."""
+        px, rec = self.proxy, flight.rec
+        if not prefills:
+            flight.serve_on(d, holds_node=False)
+            return await px.paths.plain(request, flight, body, d, "no_prefill")
+        if px.prefix is not None and flight.prefix is not None:
+            # As the index is now, and no await from here to `expect`: a burst on one
+            # prefix sees where the first of it is computed.
+            flight.prefix = px.prefix.recount(flight.prefix, list(flight.prefix.cached))
+        p = px.router.pick_prefill(prefills, flight.prefix)
+        decision, ticket, chars = self._place(body, flight, p, d, size)
+        flight.placed(decision, ticket, chars)
+        flight.expect((d if decision.where == "local" else p).url)
+        serving = p if decision.on_prefill else d
+        # P holds the request: drains, leaves and routing see it (D's slot is its own).
+        flight.serve_on(serving, holds_node=serving is p)
+        if serving is p:
+            rec.prefill = p.url
+        if decision.local:
+            return await px.paths.local(request, flight, body, serving)
+        if px.settings.first_token_from_prefill and rec.stream:
+            if first_token.ineligible(body, rec.route) is None:
+                return await px.paths.first_token(request, flight, body, p, d)
+            px.metrics.first_token.labels("decode").inc()
+        return await px.paths.split(request, flight, body, p, d)
+
+    async def _lookup(self, body: dict[str, Any], route: str,
+                      prefills: list[PrefillBackend], estimate: int) -> Lookup | None:
+        """The prompt's cached share on every node in rotation, from the prefix index, before
+        P and D are picked by it. Its ids come from the proxy's own tokenizer when it has
+        one, else from the least busy D's /tokenize: a D must answer the request anyway,
+        where a frozen P would hold every request for tokenize_timeout_s (a loaded D's API
+        server takes longer: 8-30 ms measured here with 8 streams on one core, against
+        2-3 ms idle; the access line's tokenize_ms)."""
+        px = self.proxy
+        assert px.prefix is not None
+        decodes = px.backends.ready_decode()
+        if not decodes:
+            return None
+        ask = min(decodes, key=lambda b: (b.in_flight, b.decodes))
+        return await px.prefix.lookup(body, route, estimate, ask.url,
+                                      [b.url for b in (*prefills, *decodes)])
+
+    def _place(self, body: dict[str, Any], flight: Flight, p: Backend, d: Backend,
+               size: tuple[int, int]) -> Any:
+        """The placement's decision, with each node's cached share of the prompt when the
+        prefix index told it; the prediction counted for each node that computes the
+        prompt (P alone, D alone, or both: D looks its cache up for a remote one too)."""
+        px = self.proxy
+        placed = px.placement.choose(body, flight.rec.route, p, d, flight.prefix, size)
+        decision = placed[0]
+        computing: list[tuple[Backend, int]] = []
+        if decision.where != "local":
+            computing.append((p, decision.cached_p))
+        if decision.where != "p_alone":
+            computing.append((d, decision.cached_d))
+        for node, cached in computing:
+            px.metrics.prefix_hits.labels(node.role, node.url).inc(cached)
+            px.metrics.prefix_queries.labels(node.role, node.url).inc(decision.tokens)
+        return placed
