@@ -12,16 +12,9 @@ import yaml
 from appliance.pdctl.cluster.description import parse_cluster
 from appliance.pdctl.cluster.helmvalues import KEYS_SECRET, helm_values
 from appliance.pdctl.errors import ConfigError
+from tests.charts import objects
 from tests.charts.cases import Rendered
-from tests.charts.objects import (
-    container,
-    flag,
-    kv_config,
-    of_kind,
-    pod,
-    proxy_settings,
-    workload,
-)
+from tests.charts.objects import container, flag, kv_config, of_kind, pod, workload
 
 POD_NETWORK = {"pod_network_cidrs": ["10.244.0.0/16", "fd00:10:244::/56"]}
 
@@ -90,7 +83,7 @@ def test_chart_from_the_values(rendered: Rendered, name: str) -> None:
         (model,) = [v for v in pod(w)["volumes"] if v["name"] == "model"]
         assert model["hostPath"]["path"] == "/models/qwen"
     assert of_kind(docs, "Secret") == []
-    got = proxy_settings(docs)  # the description's proxy settings reach the proxy's file
+    got = objects.proxy_settings(docs)  # the description's proxy settings reach the proxy's file
     assert {k: got[k] for k in data["proxy"] if k != "host"} == \
         {k: v for k, v in data["proxy"].items() if k != "host"}
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import stat
 
+import tomllib
+
 from appliance.pdctl.config.proxysection import MANAGED
 from appliance.proxy.settings import ProxySettings, load_settings, load_toml
 from tests.pdctl.conftest import GOOD_TOML
+from tests.pdctl.test_cluster_render import TWO_HOSTS
 from tests.pdctl.test_render import resolved
 
 
@@ -44,34 +47,16 @@ def test_managed_keys_are_proxy_settings():
 
 def test_a_cluster_proxys_settings_reach_its_host_only(pdctl, tmp_path):
     desc = tmp_path / "cluster.toml"
-    text = """\
-stack = "gpu"
-[transfer]
-protocol = "tcp"
-[model]
-path = "/models/qwen"
-[proxy]
-host = "b"
-max_queued = 7
-[[hosts]]
-name = "a"
-ip = "10.0.0.11"
-gpus = 2
-prefill = [[0]]
-[[hosts]]
-name = "b"
-ip = "10.0.0.12"
-gpus = 2
-decode = [[0]]
-"""
-    desc.write_text(text)
+    desc.write_text(TWO_HOSTS.replace("itl_slo_ms = 30", "itl_slo_ms = 30\nmax_queued = 7"))
     res = pdctl("render", "--cluster", str(desc))
     assert res.exit_code == 0, res.output
-    host_b = (tmp_path / "cluster" / "b" / "host.toml").read_text()
-    assert "[proxy]\nmax_queued = 7\n" in host_b
-    assert "[proxy]" not in (tmp_path / "cluster" / "a" / "host.toml").read_text()
+    written = {h: tomllib.loads((tmp_path / "cluster" / h / "host.toml").read_text())
+               for h in ("a", "b")}
+    assert written["a"]["proxy"] == {"policy": "least_outstanding", "split": "never",
+                                     "itl_slo_ms": 30, "max_queued": 7}
+    assert "proxy" not in written["b"]
 
-    desc.write_text(text.replace("max_queued = 7", "max_queued = 7\nport = 9000"))
+    desc.write_text(TWO_HOSTS.replace("itl_slo_ms = 30", "itl_slo_ms = 30\nport = 9000"))
     res = pdctl("render", "--cluster", str(desc))
     assert res.exit_code == 2
-    assert "hosts[1] (b): proxy.port: pdctl sets it from ports.proxy" in res.stderr
+    assert "hosts[0] (a): proxy.port: pdctl sets it from ports.proxy" in res.stderr
