@@ -118,7 +118,7 @@ class NodeSpec:
                 extra["allowed_bootstrap_addrs"] = [self.bootstrap_url]
         extra |= self.connector_extra
         return json.dumps({"kv_connector": "PDConnector",
-                           "kv_connector_module_path": "appliance.connector",
+                           "kv_connector_module_path": "appliance.connector.facade",
                            "kv_role": role, "engine_id": engine,
                            "kv_load_failure_policy": self.kv_load_failure_policy,
                            "kv_connector_extra_config": extra})

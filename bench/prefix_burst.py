@@ -44,7 +44,7 @@ SETUPS = {"wait": True, "vllm": False}
 
 
 def consumer(wait: bool) -> dict:
-    return {"kv_connector": "PDConnector", "kv_connector_module_path": "appliance.connector",
+    return {"kv_connector": "PDConnector", "kv_connector_module_path": "appliance.connector.facade",
             "kv_role": "kv_consumer", "engine_id": "d0", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"protocol": "tcp", "host": "127.0.0.1",
                                           "shared_prefix_wait": wait}}

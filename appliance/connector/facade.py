@@ -1,7 +1,7 @@
 """The facade vLLM loads: PDConnector, through `kv_connector_module_path`.
 
     --kv-transfer-config '{"kv_connector": "PDConnector",
-                           "kv_connector_module_path": "appliance.connector",
+                           "kv_connector_module_path": "appliance.connector.facade",
                            "kv_role": "kv_producer" | "kv_consumer", "engine_id": "...",
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"bootstrap_addr": "http://host:8998",

@@ -3,7 +3,7 @@
 They come from vLLM's `--kv-transfer-config`: `engine_id`, `kv_role`, and
 `kv_connector_extra_config`, e.g.
 
-    {"kv_connector": "PDConnector", "kv_connector_module_path": "appliance.connector",
+    {"kv_connector": "PDConnector", "kv_connector_module_path": "appliance.connector.facade",
      "kv_role": "kv_producer", "engine_id": "prefill-0",
      "kv_connector_extra_config": {"bootstrap_addr": "http://10.0.0.1:8998",
                                    "protocol": "rdma", "device_name": "mlx5_0"}}

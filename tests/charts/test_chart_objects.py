@@ -183,7 +183,7 @@ def test_kv_transfer_config(case: tuple[str, list[Doc]]) -> None:
     p, d = kv_config(workload(docs, "prefill")), kv_config(workload(docs, "decode"))
     for cfg, role, of in ((p, "kv_producer", "prefill"), (d, "kv_consumer", "decode")):
         assert cfg["kv_connector"] == "PDConnector"
-        assert cfg["kv_connector_module_path"] == "appliance.connector"
+        assert cfg["kv_connector_module_path"] == "appliance.connector.facade"
         assert cfg["kv_role"] == role
         assert cfg["engine_id"] == "$(POD_NAME)"
         extra = cfg["kv_connector_extra_config"]

@@ -147,7 +147,7 @@ def test_default_rdma_host(render):
         assert flag(argv, "--block-size") == "16"
         kv = kv_config(argv)
         assert kv["kv_connector"] == "PDConnector"
-        assert kv["kv_connector_module_path"] == "appliance.connector"
+        assert kv["kv_connector_module_path"] == "appliance.connector.facade"
         assert kv["kv_role"] == ("kv_producer" if role == "prefill" else "kv_consumer")
         assert kv["engine_id"] == engine and kv["kv_load_failure_policy"] == "recompute"
         extra = kv["kv_connector_extra_config"]

@@ -57,7 +57,7 @@
 {{- with $v.podNetworkCidrs }}{{ $_ := set $extra "allowed_bootstrap_networks" . }}{{ end -}}
 {{- end -}}
 {{- $role_ := ternary "kv_producer" "kv_consumer" (eq $role "prefill") -}}
-{{- toJson (dict "kv_connector" "PDConnector" "kv_connector_module_path" "appliance.connector" "kv_role" $role_ "engine_id" "$(POD_NAME)" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $extra) -}}
+{{- toJson (dict "kv_connector" "PDConnector" "kv_connector_module_path" "appliance.connector.facade" "kv_role" $role_ "engine_id" "$(POD_NAME)" "kv_load_failure_policy" "recompute" "kv_connector_extra_config" $extra) -}}
 {{- end -}}
 
 {{/* How long vLLM drains on SIGTERM: the grace period less preStop's sleep and 10 s to
