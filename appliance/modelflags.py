@@ -147,11 +147,11 @@ def given(model: type[BaseModel], args: Mapping[str, Any], environ: Mapping[str,
         if value is None and o.flag.env:
             value = _from_env(o, environ.get(o.flag.env, ""))
         if value is not None:
-            set_path(data, o.path, value)
+            _set_path(data, o.path, value)
     return data
 
 
-def set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     """data[path[0]][path[1]]... = value, the tables on the way made or kept."""
     for key in path[:-1]:
         data = data.setdefault(key, {})
