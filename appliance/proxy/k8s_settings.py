@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from appliance.modelflags import Flag
 from appliance.netaddr import host_port
 
 # Where Kubernetes mounts a pod's service account: its namespace, token and cluster CA.
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # The bootstrap sidecar beside each P (the MooncakeConnector's standard port).
 DEFAULT_BOOTSTRAP_PORT = 8998
+GROUP = "kubernetes discovery"  # the flags' --help section
 
 
 def http_url(value: str, schemes: tuple[str, ...] = ("http", "https")) -> str:
@@ -30,20 +33,33 @@ class KubernetesSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    namespace: str | None = None
-    prefill_selector: str | None = None  # e.g. app.kubernetes.io/component=prefill
-    decode_selector: str | None = None
-    prefill_port: int = Field(8010, ge=1, le=65535)
-    decode_port: int = Field(8020, ge=1, le=65535)
-    bootstrap_port: int = Field(DEFAULT_BOOTSTRAP_PORT, ge=1, le=65535)
-    api_server: str | None = None
-    # Re-read when it changes: bound service account tokens rotate.
-    token_file: str = f"{SERVICE_ACCOUNT_DIR}/token"
-    ca_file: str = f"{SERVICE_ACCOUNT_DIR}/ca.crt"
-    # A failed list or watch is retried after a back-off doubling up to this (no flag).
-    retry_max_s: float = Field(30.0, gt=0)
-    # Watches are ended by the server after this long and resumed (no flag).
-    watch_timeout_s: int = Field(240, ge=1)
+    namespace: Annotated[str | None, Flag(GROUP, metavar="NS")] = Field(
+        None, description="default: the pod's own (its service account's namespace file)")
+    prefill_selector: Annotated[str | None, Flag(GROUP, metavar="SELECTOR")] = Field(
+        None, description="label selector of P pods, e.g. app.kubernetes.io/component=prefill")
+    decode_selector: Annotated[str | None, Flag(GROUP, metavar="SELECTOR")] = Field(
+        None, description="label selector of D pods")
+    prefill_port: Annotated[int, Flag(GROUP, metavar="PORT")] = Field(
+        8010, ge=1, le=65535, description="P's API")
+    decode_port: Annotated[int, Flag(GROUP, metavar="PORT")] = Field(
+        8020, ge=1, le=65535, description="D's API")
+    bootstrap_port: Annotated[int, Flag(GROUP, metavar="PORT")] = Field(
+        DEFAULT_BOOTSTRAP_PORT, ge=1, le=65535,
+        description="the bootstrap sidecar beside each P")
+    api_server: Annotated[str | None, Flag(GROUP, metavar="URL")] = Field(
+        None, description="default https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT")
+    # Re-read: bound service account tokens rotate.
+    token_file: Annotated[str, Flag(GROUP, metavar="FILE")] = Field(
+        f"{SERVICE_ACCOUNT_DIR}/token",
+        description="the service account's bearer token, re-read when it changes")
+    ca_file: Annotated[str, Flag(GROUP, metavar="FILE")] = Field(
+        f"{SERVICE_ACCOUNT_DIR}/ca.crt",
+        description="CA of the API server")
+    retry_max_s: Annotated[float, Flag(GROUP)] = Field(
+        30.0, gt=0, description="a failed list or watch is retried after a back-off doubling "
+                                "up to this")
+    watch_timeout_s: Annotated[int, Flag(GROUP)] = Field(
+        240, ge=1, description="watches are ended by the server after this long and resumed")
 
     @field_validator("prefill_selector", "decode_selector", "namespace")
     @classmethod

@@ -53,7 +53,9 @@ EVERY_OPTION: dict[str, Any] = {
     "proxy": {"service": {"type": "NodePort", "nodePort": 30800,
                           "annotations": {"team": "serving"}},
               "extraArgs": ["--log-level", "debug"], "podAnnotations": {"team": "serving"},
-              "tokenizer": True},
+              "tokenizer": True,
+              "settings": {"max_in_flight_per_decode": 64, "max_queued": 128,
+                           "api_keys": [], "kubernetes": {"retry_max_s": 10.0}}},
     "transfer": {"internalNetworks": ["192.168.0.0/16"]},
     "networkPolicy": {"ingressFrom": [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "monitoring"}}}]},

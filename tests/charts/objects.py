@@ -61,3 +61,29 @@ def probe_port(probe: Doc) -> int | str:
 
 def env(c: Doc) -> dict[str, Doc]:
     return {e["name"]: e for e in c.get("env", [])}
+
+
+def mounted_file(docs: list[Doc], w: Doc, c: Doc, path: str) -> str:
+    """The text of a file a container reads from a mounted ConfigMap."""
+    folder, _, name = path.rpartition("/")
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == folder]
+    (volume,) = [v for v in pod(w)["volumes"] if v["name"] == mount["name"]]
+    (cm,) = [d for d in of_kind(docs, "ConfigMap")
+             if d["metadata"]["name"] == volume["configMap"]["name"]]
+    return str(cm["data"][name])
+
+
+def proxy_settings(docs: list[Doc]) -> dict[str, Any]:
+    """What the chart's proxy is told, by ProxySettings' keys: its config file (a mounted
+    ConfigMap) with its arguments over it, merged as the proxy merges them."""
+    import tomllib
+
+    from appliance import modelflags
+    from appliance.proxy.settings import ProxySettings, build_parser
+
+    w = workload(docs, "proxy")
+    c = container(w, "proxy")
+    assert c["args"][:3] == ["python", "-m", "appliance.proxy"]
+    args = vars(build_parser().parse_args(c["args"][3:]))
+    data = tomllib.loads(mounted_file(docs, w, c, str(args.pop("config"))))
+    return modelflags.given(ProxySettings, args, {}, data)

@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 
 from tests.charts.cases import CASES, NEEDED, Rendered, merged
-from tests.charts.objects import Doc, container, flag, kv_config, of_kind, pod, workload
+from tests.charts.objects import (
+    Doc,
+    container,
+    flag,
+    kv_config,
+    of_kind,
+    pod,
+    proxy_settings,
+    workload,
+)
 from tests.charts.test_chart_objects import DEFAULTS, ROLES, effective
 
 EXIT_MARGIN_S = 10  # what the chart leaves vLLM to exit after draining
@@ -74,7 +83,7 @@ def test_the_proxy_is_ready_while_it_can_answer(case: tuple[str, list[Doc]]) -> 
     assert _pre_stop(c) == ["sleep", str(p["preStopSleepS"])]
     # preStop's sleep, then SIGTERM and the drain, then a margin
     assert pod(w)["terminationGracePeriodSeconds"] == p["preStopSleepS"] + p["drainGraceS"] + 15
-    assert flag(c["args"], "--drain-grace") == str(p["drainGraceS"])
+    assert proxy_settings(docs)["drain_grace_s"] == p["drainGraceS"]
 
 
 def test_a_slow_start_is_not_killed_by_liveness(case: tuple[str, list[Doc]]) -> None:
@@ -191,10 +200,9 @@ def test_p_and_d_publish_kv_events_for_the_prefix_index(rendered: Rendered) -> N
         args = container(workload(rendered("defaults"), role), "vllm")["args"]
         at = args.index("--kv-events-config")
         assert args[at - 2:at + 2] == list(KV_EVENTS_FLAGS)
-    assert "--no-prefix-index" not in container(workload(rendered("defaults"), "proxy"),
-                                                "proxy")["args"]
+    assert proxy_settings(rendered("defaults"))["prefix_index"] is True
     off = rendered.values(merged(NEEDED, {"proxy": {"prefixIndex": False}}))
     assert off.rc == 0, off.out
-    assert "--no-prefix-index" in container(workload(off.docs(), "proxy"), "proxy")["args"]
+    assert proxy_settings(off.docs())["prefix_index"] is False
     bad = rendered.values(merged(NEEDED, {"model": {"extraArgs": ["--kv-events-config={}"]}}))
     assert bad.rc != 0 and "proxy.prefixIndex" in bad.out

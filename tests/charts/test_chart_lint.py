@@ -41,6 +41,12 @@ BAD: dict[str, tuple[dict[str, Any], list[str]]] = {
     "service type": ({"proxy": {"service": {"type": "ExternalName"}}},
                      ["proxy.service.type"]),
     "port": ({"ports": {"decode": 70000}}, ["ports.decode"]),
+    "derived proxy setting": ({"proxy": {"settings": {"prefill_timeout_s": 9}}},
+                              ["proxy.settings.prefill_timeout_s", "the chart sets it",
+                               "timeouts"]),
+    "derived discovery setting": ({"proxy": {"settings": {"kubernetes": {"decode_port": 9}}}},
+                                  ["proxy.settings.kubernetes.decode_port",
+                                   "the chart sets it"]),
     "both key sources": ({"keys": KEYS}, ["not both", "keys.existingSecret"]),
     "neither key source": ({"keys": {"existingSecret": ""}},
                            ["no keys", "keys.existingSecret", "kubectl create secret"]),
@@ -92,7 +98,7 @@ ACROSS_FIELDS = {"both key sources", "neither key source", "half the keys", "cpu
                  "managed flag", "pvc without claim", "short port range", "no pod network",
                  "strategy both 0", "shutdown flag", "step budget flag", "chunk flag",
                  "cpu step budget", "rdma without a resource", "host network and multus",
-                 "multus twice"}
+                 "multus twice", "derived proxy setting", "derived discovery setting"}
 
 
 @pytest.mark.parametrize("name", BAD)

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from appliance import keys as node_keys
+from appliance.proxy.settings import ProxySettings
 from tests.charts.cases import CASES, KEYS, Rendered, merged, protocol, rdma_devices
 from tests.charts.helmtool import CHART
 from tests.charts.objects import (
@@ -26,6 +27,7 @@ from tests.charts.objects import (
     port_number,
     probe_port,
     probes,
+    proxy_settings,
     workload,
 )
 
@@ -103,7 +105,9 @@ def test_ports_probes_and_services_agree(case: tuple[str, list[Doc]]) -> None:
         for cname, port in listeners:
             c = container(w, cname)
             assert port_number(c, port) == port
-            assert flag(c["args"], "--port") == str(port)  # what it listens on
+            listens = proxy_settings(docs)["port"] if role == "proxy" else \
+                int(flag(c["args"], "--port"))
+            assert listens == port  # what it listens on
             assert probes(c), f"{role}/{cname} has no probes"
             for kind, probe in probes(c):
                 assert port_number(c, probe_port(probe)) == port, (role, cname, kind)
@@ -262,29 +266,27 @@ def test_keys_only_as_files(case: tuple[str, list[Doc]]) -> None:
 def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
     name, docs = case
     v = effective(name)
-    args = container(workload(docs, "proxy"), "proxy")["args"]
-    assert args[:3] == ["python", "-m", "appliance.proxy"]
-    got = _proxy_options(args[3:])
-    assert got["--host"] == "0.0.0.0" and got["--port"] == str(v["ports"]["proxy"])
-    assert got["--discovery"] == "kubernetes"
+    got = proxy_settings(docs)
+    assert got["host"] == "0.0.0.0" and got["port"] == v["ports"]["proxy"]
+    assert got["discovery"] == "kubernetes"
     for role in ROLES:
-        selector = got[f"--k8s-{role}-selector"]
+        selector = got["kubernetes"][f"{role}_selector"]
         assert selector == (f"app.kubernetes.io/instance={CASES[name].release},"
                             f"app.kubernetes.io/component={role}")
         wanted = dict(kv.split("=", 1) for kv in selector.split(","))
         chosen = [t for t in pod_templates(docs) if selects(wanted, t)]
         assert [t[COMPONENT] for t in chosen] == [role]
-        assert got[f"--k8s-{role}-port"] == str(v["ports"][role])
-    assert got["--k8s-bootstrap-port"] == str(v["ports"]["bootstrap"])
-    assert got["--policy"] == v["proxy"]["policy"]
-    assert got["--split"] == v["proxy"]["split"]
-    assert float(got["--prefill-timeout"]) == v["timeouts"]["prefillS"]
-    assert float(got["--kv-transfer-timeout"]) == v["timeouts"]["kvTransferS"]
+        assert got["kubernetes"][f"{role}_port"] == v["ports"][role]
+    assert got["kubernetes"]["bootstrap_port"] == v["ports"]["bootstrap"]
+    assert got["policy"] == v["proxy"]["policy"]
+    assert got["split"] == v["proxy"]["split"]
+    assert float(got["prefill_timeout_s"]) == v["timeouts"]["prefillS"]
+    assert float(got["kv_transfer_s"]) == v["timeouts"]["kvTransferS"]
     endpoint = v["tracing"]["otlpEndpoint"]
-    assert got.get("--otlp-traces-endpoint", "") == endpoint
-    assert ("--otlp-traces-protocol" in got) == bool(endpoint)
+    assert got.get("otlp_traces_endpoint", "") == endpoint
+    assert ("otlp_traces_protocol" in got) == bool(endpoint)
     if endpoint:
-        assert float(got["--otlp-traces-sample-ratio"]) == v["tracing"]["sampleRatio"]
+        assert float(got["otlp_traces_sample_ratio"]) == v["tracing"]["sampleRatio"]
     for role in ROLES:
         vllm = container(workload(docs, role), "vllm")
         if endpoint:
@@ -294,9 +296,15 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
         names = {e["name"]: e.get("value") for e in vllm["env"]}
         assert names.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == (endpoint or None)
     if v["proxy"].get("itlSloMs") is not None:
-        assert float(got["--itl-slo-ms"]) == v["proxy"]["itlSloMs"]
+        assert float(got["itl_slo_ms"]) == v["proxy"]["itlSloMs"]
     else:
-        assert "--itl-slo-ms" not in got
+        assert "itl_slo_ms" not in got
+    for key, value in v["proxy"]["settings"].items():  # passed through as given
+        if isinstance(value, dict):  # a table: merged with the chart's
+            assert value.items() <= got[key].items()
+        else:
+            assert got[key] == value
+
     # model.decodePrefillChunk: D's flag only.
     chunk = v["model"].get("decodePrefillChunk")
     if chunk is None:  # the stack's default
@@ -320,14 +328,14 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
             assert "--max-num-batched-tokens" not in args
     # The engines' block size, which the prefix index hashes by from the first request.
     for role in ROLES:
-        assert got["--kv-block-size"] == flag(container(workload(docs, role), "vllm")["args"],
-                                              "--block-size")
+        assert str(got["kv_block_size"]) == flag(
+            container(workload(docs, role), "vllm")["args"], "--block-size")
     # proxy.tokenizer: the model's volume, mounted as P and D mount it, and its path.
     proxy_pod = pod(workload(docs, "proxy"))
     model_mounts = [m for m in container(workload(docs, "proxy"), "proxy")["volumeMounts"]
                     if m["name"] == "model"]
     if v["proxy"].get("tokenizer"):
-        assert got["--tokenizer"] == v["model"]["path"]
+        assert got["tokenizer"] == v["model"]["path"]
         vllm_pod = pod(workload(docs, "decode"))
         assert [x for x in proxy_pod["volumes"] if x["name"] == "model"] == \
             [x for x in vllm_pod["volumes"] if x["name"] == "model"]
@@ -335,24 +343,22 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
             "volumeMounts"] if m["name"] == "model"]
         assert model_mounts[0]["readOnly"] is True
     else:
-        assert "--tokenizer" not in got and not model_mounts
+        assert "tokenizer" not in got and not model_mounts
         assert all(x["name"] != "model" for x in proxy_pod["volumes"])
-    assert got["--backend-api-key-file"] == f"{KEYS_DIR}/{node_keys.API_KEY}"
-    assert got["--bootstrap-token-file"] == f"{KEYS_DIR}/{node_keys.BOOTSTRAP_TOKEN}"
-    assert got["--side-channel-key-file"] == f"{KEYS_DIR}/{node_keys.SIDE_CHANNEL_KEY}"
+    assert got["backend_api_key_file"] == f"{KEYS_DIR}/{node_keys.API_KEY}"
+    assert got["bootstrap_token_file"] == f"{KEYS_DIR}/{node_keys.BOOTSTRAP_TOKEN}"
+    assert got["side_channel_key_file"] == f"{KEYS_DIR}/{node_keys.SIDE_CHANNEL_KEY}"
 
 
-def _proxy_options(args: list[str]) -> dict[str, str]:
-    """Each option's value; through the proxy's own parser once it has the discovery flags."""
-    from appliance.proxy.settings import build_parser
-
-    parser = build_parser()
-    known = parser._option_string_actions  # which flags exist, by name
-    opts = dict(zip(args[::2], args[1::2], strict=True))
-    if "--discovery" in known and "--k8s-prefill-selector" in known:
-        ns = vars(parser.parse_args(args))
-        return {o: str(ns[known[o].dest]) for o in opts}
-    return opts
+def test_the_proxys_file_holds_valid_settings(case: tuple[str, list[Doc]]) -> None:
+    """As the proxy reads it in its pod (the namespace, API server and keys filled in)."""
+    _, docs = case
+    got = proxy_settings(docs)
+    got["kubernetes"]["namespace"] = "serving"
+    settings = ProxySettings.model_validate(
+        {**got, "backend_api_key": "k", "bootstrap_token": "t"},
+        context={"environ": {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}})
+    assert settings.kubernetes.api_server == "https://10.96.0.1:443"
 
 
 def test_rbac_reads_pods_only(case: tuple[str, list[Doc]]) -> None:

@@ -12,6 +12,7 @@ import yaml
 from appliance.pdctl.cluster.description import parse_cluster
 from appliance.pdctl.cluster.helmvalues import KEYS_SECRET, helm_values
 from appliance.pdctl.errors import ConfigError
+from tests.charts import objects
 from tests.charts.cases import Rendered
 from tests.charts.objects import container, flag, kv_config, of_kind, pod, workload
 
@@ -50,9 +51,9 @@ def test_values_from_a_description(name: str) -> None:
     assert (values["model"]["prefillTpSize"], values["model"]["decodeTpSize"]) == tp
     assert values["stack"] == "gpu" and values["model"]["path"] == "/models/qwen"
     assert values["model"]["volume"] == {"type": "hostPath", "hostPath": "/models/qwen"}
-    assert values["proxy"]["policy"] == desc.proxy.policy
-    assert values["proxy"]["split"] == desc.proxy.split
-    assert values["proxy"]["itlSloMs"] == desc.proxy.itl_slo_ms
+    # the proxy's own settings as the description gives them (its [proxy] but the host)
+    assert values["proxy"] == {"settings": {k: v for k, v in data["proxy"].items()
+                                            if k != "host"}}
     assert values["model"].get("decodePrefillChunk") == desc.model.decode_prefill_chunk
     assert values["model"].get("maxNumBatchedTokens") == desc.model.max_num_batched_tokens
     assert values["transfer"]["protocol"] == "rdma" and values["transfer"]["device"] == "mlx5_0"
@@ -82,6 +83,9 @@ def test_chart_from_the_values(rendered: Rendered, name: str) -> None:
         (model,) = [v for v in pod(w)["volumes"] if v["name"] == "model"]
         assert model["hostPath"]["path"] == "/models/qwen"
     assert of_kind(docs, "Secret") == []
+    got = objects.proxy_settings(docs)  # the description's proxy settings reach the proxy's file
+    assert {k: got[k] for k in data["proxy"] if k != "host"} == \
+        {k: v for k, v in data["proxy"].items() if k != "host"}
 
 
 def test_each_roles_nics_and_gpudirect(rendered: Rendered) -> None:

@@ -135,15 +135,21 @@ def test_pods_are_placed_by_role_across_the_nodes(k8s, installed):
     assert all(n <= 8 for n in used.values())
 
 
-def _proxy_argv(k8s, port: int, token_file: Path) -> list[str]:
-    """The chart's proxy arguments, with this machine's API server, CA, token and keys."""
+def _proxy_argv(k8s, port: int, token_file: Path, tmp: Path) -> list[str]:
+    """The chart's proxy arguments and config file (its ConfigMap), with this machine's API
+    server, CA, token and keys."""
     cp, _helm_bin, work, node_keys = k8s
-    deployment = cp.request("GET", f"/apis/apps/v1/namespaces/{NS}/deployments/"
-                                   f"{RELEASE}-pd-appliance-proxy")
+    name = f"{RELEASE}-pd-appliance-proxy"
+    deployment = cp.request("GET", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     args = [*container.get("command", []), *container.get("args", [])]
     args = args[args.index("appliance.proxy") + 1:]
-    args = [a.replace("/etc/pd-appliance/keys", str(node_keys.dir)) for a in args]
+    at = args.index("--config")
+    config = cp.request("GET", f"/api/v1/namespaces/{NS}/configmaps/{name}")["data"][
+        Path(args[at + 1]).name]
+    local = tmp / "proxy.toml"
+    local.write_text(config.replace("/etc/pd-appliance/keys", str(node_keys.dir)))
+    args[at + 1] = str(local)
     return [sys.executable, "-m", "appliance.proxy", *args, "--host", "127.0.0.1",
             "--port", str(port), "--k8s-api-server", cp.url, "--k8s-ca-file",
             str(cp.ca_file), "--k8s-token-file", str(token_file), "--k8s-namespace", NS,
@@ -168,7 +174,8 @@ def test_proxy_discovery_follows_the_pods(k8s, installed, tmp_path):
     token = tmp_path / "token"
     token.write_text(cp.tokens[f"system:serviceaccount:{NS}:{SA}"])
     port = free_port()
-    proxy = ServiceProcess("proxy", _proxy_argv(k8s, port, token), tmp_path / "proxy.log",
+    proxy = ServiceProcess("proxy", _proxy_argv(k8s, port, token, tmp_path),
+                           tmp_path / "proxy.log",
                            cwd=ROOT)
     proxy.start()
     url = f"http://127.0.0.1:{port}"

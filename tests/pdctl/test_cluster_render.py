@@ -238,7 +238,8 @@ def test_kubernetes_values_for_the_same_cluster(pdctl, tmp_path):
     values = yaml.safe_load(text)
     assert values["podNetworkCidrs"] == ["10.244.0.0/16"]
     assert (values["prefill"]["replicas"], values["decode"]["replicas"]) == (2, 3)
-    assert values["proxy"]["policy"] == "least_outstanding"
+    assert values["proxy"]["settings"] == {"policy": "least_outstanding", "split": "never",
+                                           "itl_slo_ms": 30}
     assert values["keys"]["existingSecret"]
     for key in (tmp_path / "cluster" / "keys").iterdir():
         assert key.read_text().strip() not in text

@@ -110,6 +110,14 @@ BAD = [
     ("images", "vllm", '"Not An Image"', "images.vllm: 'Not An Image' is not an image reference"),
     ("auth", "api_keys_file", '"/etc/pd-appliance/missing"',
      "auth.api_keys_file: /etc/pd-appliance/missing is missing or empty"),
+    # [proxy]: the proxy's own settings, each checked by its ProxySettings field
+    ("proxy", "max_inflight", "3", "proxy.max_inflight: unknown key"),
+    ("proxy", "max_queued", "-1",
+     "proxy.max_queued: Input should be greater than or equal to 0"),
+    ("proxy", "split", '"sometimes"', "proxy.split: Input should be 'always', 'never' or"),
+    ("proxy", "port", "9000", "proxy.port: pdctl sets it from ports.proxy"),
+    ("proxy", "prefill_timeout_s", "30",
+     "proxy.prefill_timeout_s: pdctl sets it from timeouts.prefill_s"),
 ]
 
 
@@ -200,7 +208,9 @@ def test_usage_errors_are_one_line_exit_2(pdctl):
 def test_toml_round_trip():
     cfg = parse_config({"host": {"ip": "10.0.0.11", "name": "n"},
                         "model": {"path": "/m/x", "extra_args": ["--enable-prefix-caching"]},
-                        "transfer": {"protocol": "tcp"}, "ports": {"proxy": 9000}})
+                        "transfer": {"protocol": "tcp"}, "ports": {"proxy": 9000},
+                        "proxy": {"split": "never", "max_queued": 8, "log_requests": False,
+                                  "upstream_ca_file": "/etc/ca.pem"}})
     import tomllib
 
     again = HostConfig.model_validate(tomllib.loads(to_toml(cfg)))

@@ -17,7 +17,7 @@ from appliance.connector.settings import ConnectorSettings
 from appliance.pdctl.config.hostconfig import parse_config
 from appliance.pdctl.host.composebin import bundled_binary
 from appliance.pdctl.node.render import DEFAULT_DIR, unit_text
-from appliance.proxy.settings import load_settings, load_toml
+from appliance.proxy.settings import ProxySettings, load_settings, load_toml
 from tests.conftest import ROOT
 from tests.pdctl.conftest import GOOD_TOML
 
@@ -65,24 +65,24 @@ def render(pdctl, write_config):
 def test_every_wait_derives_from_the_proxys_wait_for_p(render):
     """One setting (timeouts.prefill_s, with kv_transfer_s): the proxy waits for P, D waits
     longer for the KV, P holds it longer still (appliance.deadlines)."""
-    def waits(out: Path) -> tuple[dict, dict, list[str]]:
+    def waits(out: Path) -> tuple[dict, dict, ProxySettings]:
         services = resolved(out)["services"]
         p, d = (kv_config(services[r]["command"])["kv_connector_extra_config"]
                 for r in ("prefill", "decode"))
-        return p, d, services["proxy"]["command"]
+        return p, d, load_settings(services["proxy"]["command"][3:], environ={})
 
     p, d, proxy = waits(render(GOOD_TOML + "\n[timeouts]\nprefill_s = 30\n"))
-    assert flag(proxy, "--prefill-timeout") == "30" and flag(proxy, "--kv-transfer-timeout") == "10"
+    assert (proxy.prefill_timeout_s, proxy.kv_transfer_s) == (30, 10)
     assert (d["recv_timeout_s"], p["send_timeout_s"]) == (40, 50)
     explicit = GOOD_TOML + "\n[timeouts]\nkv_recv_s = 45\nkv_send_s = 90\n"
     p, d, proxy = waits(render(explicit))
-    assert flag(proxy, "--prefill-timeout") == "120"
+    assert proxy.prefill_timeout_s == 120
     assert (d["recv_timeout_s"], p["send_timeout_s"]) == (45, 90)
 
 
 def test_tracing_on_reaches_p_d_and_the_proxy(render):
     """[tracing]: vLLM's --otlp-traces-endpoint and OpenTelemetry's variables for P and D
-    (their engine and worker processes, the connector), the proxy's flags; off: none."""
+    (their engine and worker processes, the connector), the proxy's settings; off: none."""
     endpoint = "http://10.0.0.5:4318/v1/traces"
     services = resolved(render(GOOD_TOML + f'\n[tracing]\notlp_endpoint = "{endpoint}"\n'
                                'protocol = "http/protobuf"\n'))["services"]
@@ -91,13 +91,15 @@ def test_tracing_on_reaches_p_d_and_the_proxy(render):
         assert flag(svc["command"], "--otlp-traces-endpoint") == endpoint
         assert svc["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint
         assert svc["environment"]["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
-    proxy = services["proxy"]["command"]
-    assert flag(proxy, "--otlp-traces-endpoint") == endpoint
-    assert flag(proxy, "--otlp-traces-protocol") == "http/protobuf"
-    assert flag(proxy, "--otlp-traces-sample-ratio") == "1"
-    off = resolved(render(GOOD_TOML))["services"]
+    proxy = load_settings(services["proxy"]["command"][3:], environ={})
+    assert proxy.otlp_traces_endpoint == endpoint
+    assert proxy.otlp_traces_protocol == "http/protobuf"
+    assert proxy.otlp_traces_sample_ratio == 1
+    off_dir = render(GOOD_TOML)
+    off = resolved(off_dir)["services"]
     for svc in off.values():
         assert not any("otlp" in arg for arg in svc["command"])
+    assert "otlp" not in (off_dir / "proxy.toml").read_text()
     assert off["prefill"]["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == ""
 
 

@@ -8,7 +8,8 @@ sidecars each D must accept bootstraps from.
     path = "/models/llama"
     tp_size = 1
     [proxy]
-    host = "a"
+    host = "a"               # where it runs; the rest: the proxy's own settings
+    policy = "cache_aware"   # (ProxySettings' keys, as in a host config's [proxy])
     [[hosts]]
     name = "a"
     ip = "10.0.0.11"
@@ -40,22 +41,20 @@ from appliance.pdctl.config.hostconfig import (
     Stack,
     engine_id,
     load_validated,
-    proxy_backend_args,
     validated,
 )
 from appliance.pdctl.config.hostsections import Devices, HostSection, InstanceLists, ModelSection
+from appliance.pdctl.config.proxysection import ProxySection
 from appliance.pdctl.config.sections import (
     ComposeSection,
     ImagesSection,
     PortsSection,
-    ProxySection,
     Section,
     TimeoutsSection,
     TracingSection,
     TransferSection,
 )
 from appliance.pdctl.errors import ConfigError
-from appliance.proxy.settings import RoutingPolicy
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
@@ -66,9 +65,11 @@ class ClusterHost(HostSection, InstanceLists):
     cpus: int = Field(0, ge=0, le=4096)  # the host's CPUs (stack "cpu")
 
 
-class ProxyPlacement(ProxySection):
-    host: str
-    policy: RoutingPolicy = "cache_aware"
+class ProxyPlacement(ProxySection):  # type: ignore[misc,valid-type]
+    """The description's [proxy]: the host it runs on, and the proxy's own settings (as a
+    host config's [proxy]: ProxySettings' keys), given to that host's config."""
+
+    host: str  # not the proxy's listener (pdctl sets that): the cluster host it runs on
 
 
 def _cidr(value: str) -> str:
@@ -118,7 +119,6 @@ class ClusterDescription(Section):
         here = h.name == self.proxy.host
         part = ClusterPart(
             cluster=source, prefill=h.prefill, decode=h.decode, proxy=here,
-            policy=self.proxy.policy,
             prefill_backends=plan.prefill_backends if here else [],
             decode_backends=plan.decode_backends if here else [],
             sidecars=plan.sidecars if h.decode else [])
@@ -138,7 +138,8 @@ class ClusterDescription(Section):
             "tracing": self.tracing.model_dump(),
             "images": self.images.model_dump(exclude_none=True),
             "compose": self.compose.model_dump(), "cluster": part.model_dump(),
-            "proxy": self.proxy.model_dump(include=set(ProxySection.model_fields))})
+            "proxy": self.proxy.model_dump(exclude_none=True, exclude={"host"}) if here
+            else {}})
 
     def problems(self) -> list[str]:
         """Cross-field problems, one line each."""
@@ -250,7 +251,7 @@ class ClusterPlan:
     instances: tuple[Instance, ...]
     proxy_url: str | None  # None: a host's own plan, the proxy elsewhere
     proxy_host: str
-    policy: str
+    policy: str | None  # the proxy's routing policy, when the description names one
 
     def of(self, role: Role, host: str | None = None) -> list[Instance]:
         return [i for i in self.instances if i.role == role and host in (None, i.host)]
@@ -270,8 +271,14 @@ class ClusterPlan:
         return [d.url for d in self.of("decode")]
 
     def proxy_args(self) -> list[str]:
-        """The proxy's backends, as its command line names them."""
-        return proxy_backend_args(self.policy, self.prefill_backends, self.decode_backends)
+        """The proxy's policy and backends, as its command line names them (a proxy started
+        by hand for the cluster; pdctl writes them into its config file)."""
+        args = ["--policy", self.policy] if self.policy else []
+        for url in self.prefill_backends:
+            args += ["--prefill", url]
+        for url in self.decode_backends:
+            args += ["--decode", url]
+        return args
 
 
 def host_plan(cfg: HostConfig) -> ClusterPlan:
@@ -282,7 +289,7 @@ def host_plan(cfg: HostConfig) -> ClusterPlan:
              else None)
     return ClusterPlan(tuple(_instances(cfg.host.name, cfg.host.ip, cfg.ports,
                                         cfg.cluster.prefill, cfg.cluster.decode)),
-                       proxy, cfg.host.name, cfg.cluster.policy)
+                       proxy, cfg.host.name, cfg.proxy.policy)
 
 
 def load_cluster(path: Path) -> ClusterDescription:

@@ -2,7 +2,7 @@
 
 On Kubernetes the scheduler, not the description, places pods: what carries over is how many
 P and D instances there are, their TP (GPUs per pod) or CPUs, the model, the ports, the
-routing policy, the transfer (each role's NICs, GPUDirect), the timeouts, the images and
+proxy's settings, the transfer (each role's NICs, GPUDirect), the timeouts, the images and
 /dev/shm's size. The model's path becomes a hostPath volume (the description says every
 host has the model there). The pod network comes from the description's `[kubernetes]
 pod_network_cidrs` (required: D accepts bootstrap addresses only there). The keys stay out
@@ -92,8 +92,9 @@ def helm_values(desc: ClusterDescription) -> dict[str, Any]:
         **{role: _role(desc, role) for role in ROLES},
         "ports": {"prefill": desc.ports.prefill, "decode": desc.ports.decode,
                   "bootstrap": desc.ports.bootstrap, "proxy": desc.ports.proxy},
-        "proxy": {"policy": desc.proxy.policy, "split": desc.proxy.split,
-                  "itlSloMs": desc.proxy.itl_slo_ms, "prefixIndex": desc.proxy.prefix_index},
+        # The proxy's own settings, as the description gives them (the chart derives the
+        # rest from its other values, as pdctl does from the other sections).
+        "proxy": {"settings": desc.proxy.model_dump(exclude_none=True, exclude={"host"})},
         "transfer": {
             # The CPU images move KV over TCP only.
             "protocol": "tcp" if desc.stack == "cpu" else t.protocol,

@@ -1,2 +1,3 @@
 """The per-host config: one TOML file per host (`hostconfig`: HostConfig, reading and
-validating it), its sections (`sections`, `hostsections`) and writing it back (`toml`)."""
+validating it), its sections (`sections`, `hostsections`; `proxysection`, the proxy's own
+settings passed through) and writing it back (`toml`)."""

@@ -28,6 +28,7 @@ from appliance.pdctl.config.hostsections import (
     InstanceLists,
     ModelSection,
 )
+from appliance.pdctl.config.proxysection import ProxySection
 from appliance.pdctl.config.sections import (
     VERSION_TAG,
     AuthSection,
@@ -35,7 +36,6 @@ from appliance.pdctl.config.sections import (
     ImagesSection,
     ObservabilitySection,
     PortsSection,
-    ProxySection,
     Section,
     TimeoutsSection,
     TlsSection,
@@ -44,7 +44,6 @@ from appliance.pdctl.config.sections import (
 )
 from appliance.pdctl.errors import ConfigError
 from appliance.process import DECODE_PREFILL_CHUNK, ENGINE_STEP_TOKENS
-from appliance.proxy.settings import RoutingPolicy
 
 try:
     import tomllib
@@ -62,32 +61,17 @@ DEFAULT_BLOCK_SIZE = {"gpu": 16, "cpu": 32}
 CPU_MAX_NUM_SEQS = 128
 
 
-def proxy_backend_args(policy: str, prefill: list[str], decode: list[str]) -> list[str]:
-    """The proxy's flags for its backends: P as "URL,BOOTSTRAP_URL", D as "URL"."""
-    args = ["--policy", policy]
-    for url in prefill:
-        args += ["--prefill", url]
-    for url in decode:
-        args += ["--decode", url]
-    return args
-
-
 class ClusterPart(InstanceLists):
     """This host's part of a cluster: `pdctl render --cluster` writes it from the cluster
     description (edit that, not this). Absent: the host is a 1P1D node (gpus / cpus)."""
 
     cluster: str = ""  # the description it came from, for the reader
-    proxy: bool = False  # the proxy runs here
-    policy: RoutingPolicy = "cache_aware"
+    proxy: bool = False  # the proxy runs here (its settings: [proxy])
     # The proxy's backends (where it runs): P as "URL,BOOTSTRAP_URL", D as "URL".
     prefill_backends: list[str] = Field(default_factory=list)
     decode_backends: list[str] = Field(default_factory=list)
     # The sidecars this host's D instances accept bootstraps from (every host's with a P).
     sidecars: list[str] = Field(default_factory=list)
-
-    def proxy_args(self) -> list[str]:
-        """The proxy's backends, as its command line names them."""
-        return proxy_backend_args(self.policy, self.prefill_backends, self.decode_backends)
 
     def problems(self) -> list[str]:
         out = []
@@ -182,7 +166,7 @@ class HostConfig(Section):
 
     def problems(self) -> list[str]:
         """Cross-field problems, one line each."""
-        out = []
+        out = self.proxy.managed()
         ports = self.ports.model_dump()
         seen: dict[int, str] = {}
         for name, port in ports.items():

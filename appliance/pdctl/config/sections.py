@@ -186,28 +186,6 @@ class ImagesSection(Section):
         return v
 
 
-class ProxySection(Section):
-    """How the proxy places each request (appliance.proxy.placement)."""
-
-    # always: P prefills every request and D decodes; never: D alone; auto: per request,
-    # the sooner by the node's measurements, keeping D's decodes within the ITL budget.
-    split: Literal["always", "never", "auto"] = "auto"
-    # That budget in ms (auto); unset: 3x D's measured time per token.
-    itl_slo_ms: float | None = Field(None, gt=0)
-    # auto weighs only the prompt tokens a node's prefix cache lacks, as P's and D's own KV
-    # events say (appliance.proxy.prefix). The engines publish them either way.
-    prefix_index: bool = True
-
-    def args(self) -> list[str]:
-        """The proxy's flags for these."""
-        out = ["--split", self.split]
-        if self.itl_slo_ms is not None:
-            out += ["--itl-slo-ms", f"{self.itl_slo_ms:g}"]
-        if not self.prefix_index:
-            out.append("--no-prefix-index")
-        return out
-
-
 class TracingSection(Section):
     """Traces (OpenTelemetry, appliance.observability.tracing): off unless an OTLP endpoint
     is set; then P and D (vLLM's spans and the connector's) and the proxy export there."""
@@ -227,10 +205,11 @@ class TracingSection(Section):
     def vllm_args(self) -> list[str]:
         return ["--otlp-traces-endpoint", self.otlp_endpoint] if self.otlp_endpoint else []
 
-    def proxy_args(self) -> list[str]:
-        return ([*self.vllm_args(), "--otlp-traces-protocol", self.protocol,
-                 "--otlp-traces-sample-ratio", f"{self.sample_ratio:g}"]
-                if self.otlp_endpoint else [])
+    def proxy_settings(self) -> dict[str, object]:
+        """The proxy's settings for these (none when tracing is off)."""
+        return ({"otlp_traces_endpoint": self.otlp_endpoint,
+                 "otlp_traces_protocol": self.protocol,
+                 "otlp_traces_sample_ratio": self.sample_ratio} if self.otlp_endpoint else {})
 
 
 class ObservabilitySection(Section):

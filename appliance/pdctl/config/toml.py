@@ -14,12 +14,23 @@ _HEADER = """\
 """
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A value as TOML writes it on one line (a table inline)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(value)  # strings and lists of strings/ints: JSON's syntax is TOML's
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # a string: JSON's escapes are TOML's basic string's
+
+
+def toml_lines(data: dict[str, Any]) -> list[str]:
+    """Top-level `key = value` lines (None values left out)."""
+    return [f"{key} = {toml_value(value)}" for key, value in data.items() if value is not None]
 
 
 # Written even when they equal the default: the keys an operator looks for first.
@@ -38,7 +49,7 @@ def to_toml(cfg: HostConfig, header: str = _HEADER) -> str:
     full = cfg.model_dump(exclude_none=True)
     changed = cfg.model_dump(exclude_defaults=True, exclude_none=True)
     always = _ALWAYS_CPU if cfg.stack == "cpu" else _ALWAYS
-    lines = [header, f"stack = {_toml_value(cfg.stack)}", ""]
+    lines = [header, f"stack = {toml_value(cfg.stack)}", ""]
     for section in HostConfig.model_fields:
         if section == "stack" or section not in full or (
                 cfg.cluster is not None and section in _NOT_IN_CLUSTER):
@@ -48,6 +59,6 @@ def to_toml(cfg: HostConfig, header: str = _HEADER) -> str:
         if not keys:
             continue
         lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml_value(full[section][key])}" for key in keys]
+        lines += toml_lines({key: full[section][key] for key in keys})
         lines.append("")
     return "\n".join(lines)

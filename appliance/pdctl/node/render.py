@@ -1,6 +1,7 @@
 """What compose and systemd read: the `.env` file and compose.yaml (plus, for the CPU stack,
-compose.override.yaml) in one directory, the unit, the proxy's key file when client API keys
-are configured, and the node's own keys (keys/, created when missing; see appliance.keys).
+compose.override.yaml) in one directory, the unit, the proxy's config file where the proxy
+runs (appliance.pdctl.node.proxyfile), and the node's own keys (keys/, created when
+missing; see appliance.keys).
 
 docker compose reads `.env` and compose.override.yaml beside compose.yaml by itself, so in
 that directory a plain `docker compose up -d` starts the node as `pdctl up` does."""
@@ -19,7 +20,7 @@ from appliance.netaddr import host_port
 from appliance.pdctl.cluster import compose as clustercompose
 from appliance.pdctl.config.hostconfig import HostConfig
 from appliance.pdctl.errors import ConfigError, PdctlError
-from appliance.pdctl.node import observability
+from appliance.pdctl.node import observability, proxyfile
 from appliance.process import decode_chunk_flags, step_tokens_flags
 
 DEFAULT_DIR = Path("/etc/pd-appliance")
@@ -28,7 +29,6 @@ COMPOSE_FILE = "compose.yaml"
 OVERRIDE_FILE = "compose.override.yaml"
 CPU_COMPOSE_FILE = "compose.cpu.yaml"  # in the source tree; rendered as OVERRIDE_FILE
 UNIT_FILE = "pd-appliance.service"
-PROXY_FILE = "proxy.toml"
 PDCTL_BIN = "/usr/local/bin/pdctl"  # install.sh --systemd links the venv's pdctl here
 
 
@@ -54,30 +54,6 @@ def keys_dir(out_dir: Path) -> Path:
 
 def bootstrap_token_file(cfg: HostConfig, out_dir: Path) -> str:
     return cfg.auth.bootstrap_token_file or str(keys.NodeKeys(keys_dir(out_dir)).bootstrap_token)
-
-
-def proxy_args(cfg: HostConfig, out_dir: Path) -> list[str]:
-    k = keys.NodeKeys(keys_dir(out_dir))
-    args = ["--backend-api-key-file", str(k.api_key),
-            "--bootstrap-token-file", bootstrap_token_file(cfg, out_dir),
-            "--side-channel-key-file", str(k.side_channel_key), *cfg.proxy.args(),
-            *cfg.tracing.proxy_args()]
-    if cfg.auth.api_keys_file:
-        args += ["--config", str(out_dir / PROXY_FILE)]
-        if cfg.auth.protect_ops_endpoints:
-            args.append("--auth-ops-endpoints")
-    if cfg.tls.cert_file and cfg.tls.key_file:
-        args += ["--tls-cert-file", cfg.tls.cert_file, "--tls-key-file", cfg.tls.key_file]
-    return args
-
-
-def proxy_backends(cfg: HostConfig) -> list[str]:
-    """The proxy's P and D: this node's own, or a cluster's as its description says."""
-    if cfg.cluster is not None:
-        return cfg.cluster.proxy_args()
-    ip = host_port(cfg.host.ip, cfg.ports.prefill)
-    return ["--prefill", f"http://{ip},http://{host_port(cfg.host.ip, cfg.ports.bootstrap)}",
-            "--decode", f"http://{host_port(cfg.host.ip, cfg.ports.decode)}"]
 
 
 def allowed_bootstraps(cfg: HostConfig) -> list[str]:
@@ -115,7 +91,6 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_SHM_SIZE": cfg.compose.shm_size,
         "PD_CONFIG_DIR": str(out_dir),
         "PD_HOST_IP": cfg.host.ip,
-        "PD_BIND": cfg.compose.bind,
         "PD_LOCAL_ADDR": local_addr(cfg),
         "PD_PROXY_SCHEME": "https" if cfg.tls.cert_file else "http",
         "PD_KEYS_DIR": str(k.dir),
@@ -147,12 +122,9 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_INFINIBAND": "/dev/infiniband" if cfg.transfer.protocol == "rdma" else "/dev/null",
         "PD_KV_SEND_TIMEOUT": _num(t.send_s),
         "PD_KV_RECV_TIMEOUT": _num(t.recv_s),
-        "PD_KV_TRANSFER_TIMEOUT": _num(t.kv_transfer_s),
         "PD_BOOTSTRAP_TTL": _num(t.bootstrap_ttl_s),
         "PD_BOOTSTRAP_TOKEN_FILE": token,
         "PD_BOOTSTRAP_ARGS": shlex.join(["--token-file", token]),
-        "PD_PREFILL_TIMEOUT": _num(t.prefill_s),
-        "PD_DECODE_READ_TIMEOUT": _num(t.decode_read_s),
         "PD_VLLM_START_PERIOD": f"{int(t.startup_s)}s",
         "PD_OTLP_TRACES_ENDPOINT": cfg.tracing.otlp_endpoint or "",
         "PD_OTLP_TRACES_PROTOCOL": cfg.tracing.protocol,
@@ -160,8 +132,6 @@ def env_values(cfg: HostConfig, out_dir: Path) -> dict[str, str]:
         "PD_PREFILL_ARGS": shlex.join([*common, *m.prefill_extra_args]),
         "PD_DECODE_ARGS": shlex.join([*common, *decode_chunk_flags(cfg.decode_prefill_chunk),
                                       *m.decode_extra_args]),
-        "PD_PROXY_ARGS": shlex.join(proxy_args(cfg, out_dir)),
-        "PD_PROXY_BACKENDS": shlex.join(proxy_backends(cfg)),
         "PD_ALLOWED_BOOTSTRAPS": json.dumps(allowed_bootstraps(cfg)),
         **clustercompose.instance_env(cfg),
     }
@@ -284,11 +254,12 @@ def render(cfg: HostConfig, config_path: Path, out_dir: Path) -> list[Path]:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         keys.ensure(keys_dir(out_dir))  # the ones `pdctl init` wrote stay as they are
-        if client_keys:
-            listed = ", ".join(json.dumps(k) for k in client_keys)
-            write_file(out_dir / PROXY_FILE, "# Written by `pdctl render`: the proxy's API keys.\n"
-                   f"[proxy]\napi_keys = [{listed}]\n", 0o600)
-            written.append(out_dir / PROXY_FILE)
+        if cfg.cluster is None or cfg.cluster.proxy:
+            settings = proxyfile.proxy_settings(cfg, keys.NodeKeys(keys_dir(out_dir)),
+                                                bootstrap_token_file(cfg, out_dir), client_keys)
+            write_file(out_dir / proxyfile.FILE, proxyfile.file_text(settings, config_path),
+                       0o600)
+            written.append(out_dir / proxyfile.FILE)
         write_file(out_dir / ENV_FILE, env_file_text(cfg, out_dir, config_path))
         write_file(out_dir / COMPOSE_FILE, compose_text(cfg))
         written += [out_dir / ENV_FILE, out_dir / COMPOSE_FILE]
