@@ -6,6 +6,7 @@ D calls waiting on its KV (they are asked again on D alone).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -26,6 +27,7 @@ from appliance.proxy.ownership.pulls import Pulls
 from appliance.proxy.ownership.release import KVReleaser
 from appliance.proxy.placement import Placement
 from appliance.proxy.placement.routing import Router
+from appliance.proxy.placement.seeding import seed
 from appliance.proxy.prefix.cache import PrefixCache
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.tracing import Tracing
@@ -40,6 +42,7 @@ _OPS_PATHS = frozenset({"/metrics", "/status"})
 
 
 COMPLETIONS_ROUTES = (COMPLETIONS, CHAT)  # what the proxy splits into P and D
+SEED_TIMEOUT_S = 30.0  # each call of auto's first measurements (placement.seeding)
 
 
 class Proxy:
@@ -55,6 +58,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.poller: HealthPoller | None = None
         self.discovery: KubernetesDiscovery | None = None
+        self._seeding: asyncio.Task[str] | None = None  # auto's first measurements
         self.prefix: PrefixCache | None = None  # the prefix index: auto or cache-aware routing
         self.tracing = (None if not settings.otlp_traces_endpoint else
                         Tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol,
@@ -118,6 +122,11 @@ class Proxy:
                                       s.tokenize_timeout_s, s.tokenizer,
                                       s.kv_block_size)
             self.prefix.start()
+        if self.settings.split == "auto":
+            self._seeding = asyncio.create_task(seed(
+                self.placement.prefill, self.backends.ready_prefill,
+                self.backends.rotation_changed, self.session, self.base_headers,
+                min(self.settings.prefill_timeout_s, SEED_TIMEOUT_S), self.settings.calibrate))
         if self.settings.discovery == "kubernetes":
             # Nodes come and go with the pods; the poller checks each new one at once.
             self.discovery = KubernetesDiscovery(self.settings.kubernetes,
@@ -125,6 +134,9 @@ class Proxy:
             self.discovery.start()
 
     async def stop(self, _app: web.Application | None = None) -> None:
+        if self._seeding is not None:
+            self._seeding.cancel()
+            await asyncio.gather(self._seeding, return_exceptions=True)
         if self.discovery is not None:
             await self.discovery.stop()
         if self.poller is not None:

@@ -137,6 +137,11 @@ class ProxySettings(BaseModel):
     itl_slo_ms: Annotated[float | None, Flag(PLACEMENT, metavar="MS")] = Field(
         None, gt=0, description="auto: the most a prefill on D may stall D's running decodes "
                                 "(default: 3x D's measured time per token)")
+    # A fresh P is timed by a few one-token completions (appliance.proxy.placement.seeding).
+    calibrate: Annotated[bool, Flag(PLACEMENT)] = Field(
+        True, description="auto: when P's metrics show no prefill yet, time a few short "
+                          "prompts on it at start, so the first requests are placed by "
+                          "measurement; P's history is read either way")
     fallback_to_decode: Annotated[bool, Flag(PLACEMENT, name="fallback")] = Field(
         True, description="serve by D alone when P is unreachable or times out, instead of a 503")
     # This appliance's connector sends the KV whatever the finish reason, so D is left

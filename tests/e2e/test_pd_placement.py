@@ -1,10 +1,15 @@
 """Adaptive disaggregation with real vLLM: requests placed local (D alone) and remote (P,
 then its KV to D) answer exactly as a plain server does, JSON and streams, completions and
-chat; `never` leaves P untouched; `auto` learns from its first request, then serves an idle
-node locally, and answers from D at once while P is frozen. Two more proxies (split=never
-and split=auto, the default) in front of the shared node's P and D."""
+chat; `never` leaves P untouched; `auto` is seeded before its first request (P's history,
+or a calibration at start), then serves an idle node locally, and answers from D at once
+while P is frozen. Two more proxies (split=never and split=auto, the default) in front of
+the shared node's P and D."""
 
 from __future__ import annotations
+
+import json
+import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -38,6 +43,7 @@ def proxies(pd_node, tmp_path_factory):
             started.append(svc)
             svc.wait_healthy(60)
             out[name] = url
+        _wait_seeded(out["auto"])  # its calibration of P, if any, is over before the tests
         out["auto_log"] = started[1].log_path
         yield out
     finally:
@@ -63,6 +69,19 @@ async def _answers(url: str) -> list[str]:
     return [json_text, stream_text, chat, chat_stream]
 
 
+def _split_status(proxy: str) -> dict:
+    with urllib.request.urlopen(proxy + "/status", timeout=10) as r:
+        return json.load(r)["split"]
+
+
+def _wait_seeded(proxy: str, within_s: float = 60.0) -> None:
+    """Until the proxy's prefill line has a sample (appliance.proxy.placement.seeding)."""
+    deadline = time.monotonic() + within_s
+    while _split_status(proxy)["prefill"]["samples"] == 0:
+        assert time.monotonic() < deadline, "auto was never seeded"
+        time.sleep(0.2)
+
+
 async def test_every_placement_answers_as_a_plain_server(pd_node, plain_server, proxies):
     expected = await _answers(plain_server)
     p, d = pd_node.spec.prefill_url, pd_node.spec.decode_url
@@ -75,17 +94,18 @@ async def test_every_placement_answers_as_a_plain_server(pd_node, plain_server, 
     assert metric(proxies["never"], f'{DECISIONS}{{decision="local",reason="policy"}}') == 4
     # always (the node's own proxy): every request through P and its KV.
     assert await _answers(pd_node.spec.proxy_url) == expected
-    # auto: the first request is timed on P, then an idle D is sooner alone.
-    assert await _answers(proxies["auto"]) == expected
+    # auto: P's prefills are timed before its first request (P's history from its metrics,
+    # or a few short prompts if P has served none), so an idle D is sooner alone from the
+    # first request on: nothing is placed `unmeasured`.
     auto = proxies["auto"]
-    assert metric(auto, f'{DECISIONS}{{decision="remote",reason="unmeasured"}}') == 1
-    assert metric(auto, f'{DECISIONS}{{decision="local",reason="sooner"}}') == 3
+    assert await _answers(auto) == expected
+    assert metric(auto, f'{DECISIONS}{{reason="unmeasured"}}') == 0
+    assert metric(auto, f'{DECISIONS}{{decision="local",reason="sooner"}}') == 4
     log = log_text(proxies["auto_log"])
-    assert "split=remote:unmeasured" in log and "split=local:sooner" in log
-    async with aiohttp.ClientSession() as http:
-        async with http.get(auto + "/status") as r:
-            split = (await r.json())["split"]
-    assert split["policy"] == "auto" and split["last_minute"] == {"remote": 1, "local": 3,
+    assert "split=local:sooner" in log and "unmeasured" not in log
+    assert "auto: prefill line " in log  # seeded from P's history, or calibrated
+    split = _split_status(auto)
+    assert split["policy"] == "auto" and split["last_minute"] == {"remote": 0, "local": 4,
                                                                           "p_alone": 0}
     assert split["prefill"]["samples"] >= 1
     await wait_no_blocks_held(pd_node, within=60)

@@ -151,6 +151,7 @@ class FakeVLLM(FakeServer):
         self.finish_reason = "length"
         self.prompt_token_ids = [1, 2, 3, 4, 5]
         self.max_model_len = 2048
+        self.metrics_text: str | None = None  # what GET /metrics answers (None: 404)
         self.app = self._fresh_app()
 
     def _fresh_app(self) -> web.Application:
@@ -159,7 +160,13 @@ class FakeVLLM(FakeServer):
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            return web.Response(status=404)
+        return web.Response(text=self.metrics_text, content_type="text/plain")
 
     def bodies(self) -> list[dict[str, Any]]:
         return [r.body for r in self.received]
