@@ -155,6 +155,9 @@ class LocalNode:
                  "--port", str(s.proxy_port), "--prefill", f"{s.prefill_url},{s.bootstrap_url}",
                  "--decode", s.decode_url, *self._proxy_keys(), *self._tracing_args(),
                  *self._tokenizer_args(), "--kv-block-size", str(CPU_BLOCK_SIZE),
+                 # auto weighs a local prefill by the chunk D computes it in
+                 *(("--decode-prefill-chunk", str(s.decode_prefill_chunk))
+                   if s.decode_prefill_chunk else ()),
                  # within ServiceProcess.stop's 20 s before SIGKILL
                  "--drain-grace", "10", *s.proxy_args],
                 s.log_dir / "proxy.log", health_url=f"{s.proxy_url}/health")

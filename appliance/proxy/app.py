@@ -92,7 +92,8 @@ class Proxy:
         # events say the KV is there already).
         self.pulls = Pulls(self._landed)
         self.placement = Placement(settings.split, settings.itl_slo_ms,
-                                   settings.prefill_timeout_s)
+                                   settings.prefill_timeout_s,
+                                   decode_chunk=settings.decode_prefill_chunk)
         self.metrics.split_counts = self.placement.counts
         if self.tracing is not None:
             self.metrics.trace_spans = self.tracing.export.counts

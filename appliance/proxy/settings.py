@@ -137,6 +137,11 @@ class ProxySettings(BaseModel):
     itl_slo_ms: Annotated[float | None, Flag(PLACEMENT, metavar="MS")] = Field(
         None, gt=0, description="auto: the most a prefill on D may stall D's running decodes "
                                 "(default: 3x D's measured time per token)")
+    # vLLM's --long-prefill-token-threshold on D (pdctl and the chart pass theirs): a local
+    # prefill stalls each of D's decode steps by one chunk, not by the whole prompt.
+    decode_prefill_chunk: Annotated[int | None, Flag(PLACEMENT, metavar="TOKENS")] = Field(
+        None, ge=1, description="auto: D's longest prefill chunk while it decodes (tokens; "
+                                "default: unknown, a local prefill stalls D's steps whole)")
     # A fresh P is timed by a few one-token completions (appliance.proxy.placement.seeding).
     calibrate: Annotated[bool, Flag(PLACEMENT)] = Field(
         True, description="auto: when P's metrics show no prefill yet, time a few short "

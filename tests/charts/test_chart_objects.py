@@ -305,15 +305,17 @@ def test_proxy_arguments(case: tuple[str, list[Doc]]) -> None:
         else:
             assert got[key] == value
 
-    # model.decodePrefillChunk: D's flag only.
+    # model.decodePrefillChunk: D's flag, and the proxy's, which weighs a local prefill by it.
     chunk = v["model"].get("decodePrefillChunk")
     if chunk is None:  # the stack's default
         chunk = 128 if v["stack"] == "cpu" else 512
     decode_args = container(workload(docs, "decode"), "vllm")["args"]
     if chunk:
         assert flag(decode_args, "--long-prefill-token-threshold") == str(chunk)
+        assert got["decode_prefill_chunk"] == chunk
     else:
         assert "--long-prefill-token-threshold" not in decode_args
+        assert "decode_prefill_chunk" not in got
     assert "--long-prefill-token-threshold" not in container(workload(docs, "prefill"),
                                                              "vllm")["args"]
     # model.maxNumBatchedTokens: both engines' step budget (0: vLLM's own).

@@ -36,6 +36,7 @@ first_token_from_prefill = false
     assert (s.host, s.port, s.tokenizer, s.kv_block_size) == ("0.0.0.0", 8000,
                                                               "/models/qwen", 16)
     assert s.drain_grace_s == 30 and s.split == "auto"  # the proxy's own default
+    assert s.decode_prefill_chunk == 512  # D's chunk (the GPU stack's default), for auto
     # written 0600 (it holds the client keys when there are any), no client key here
     assert stat.S_IMODE((out / "proxy.toml").stat().st_mode) == 0o600
     assert "api_keys" not in load_toml(out / "proxy.toml")

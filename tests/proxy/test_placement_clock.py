@@ -93,3 +93,27 @@ def test_a_handoff_that_turned_remote_off_is_forgotten_with_time() -> None:
     ticket.close(clock.now, learn=False)
     place.learned("/v1/completions", 0, None, (100, 0.01), None)  # remote timed again
     assert place.handoff.samples == 1 and place.handoff.predict(100) == pytest.approx(0.01)
+
+
+def test_d_takes_a_long_prompt_when_its_chunks_fit_the_itl_budget() -> None:
+    """1,536 tokens at 0.5 ms each while D decodes four requests, a 100 ms budget: whole,
+    the prefill would stall D's next step by 768 ms (remote, itl_budget); computed 128
+    tokens a step beside the decodes (D's --long-prefill-token-threshold), each step is
+    late by 64 ms, within the budget, and D computes it sooner than P."""
+    clock = Clock()
+    for chunk, where, reason in ((None, "remote", "itl_budget"), (128, "local", "sooner"),
+                                 (512, "remote", "itl_budget")):
+        place = Placement("auto", itl_slo_ms=100, clock=clock,  # type: ignore[arg-type]
+                          decode_chunk=chunk)
+        for n in (100, 1000):
+            place.prefill.observe(n, n * 0.0005)
+        place.handoff.observe(1536, 0.05)
+        p, d = Backend("prefill", "http://p"), Backend("decode", "http://d")
+        d.decodes = 4
+        p.prefill_tokens = 400  # P a little behind: remote is later than local
+        decision, ticket, _ = place.choose({"prompt": list(range(1536))}, "/v1/completions",
+                                           p, d)
+        assert (decision.where, decision.reason) == (where, reason), chunk
+        e = decision.estimates
+        assert e is not None and e.local_chunks == (1 if chunk is None else -(-1536 // chunk))
+        ticket.close(clock.now, learn=False)

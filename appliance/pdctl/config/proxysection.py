@@ -30,6 +30,7 @@ MANAGED: dict[str, str] = {
     "drain_grace_s": "compose.yaml (within the proxy's stop_grace_period)",
     "tokenizer": "model.path",
     "kv_block_size": "model.block_size",
+    "decode_prefill_chunk": "model.decode_prefill_chunk",
     "api_keys": "auth.api_keys_file",
     "auth_ops_endpoints": "auth.protect_ops_endpoints",
     "backend_api_key": _KEYS,

@@ -45,6 +45,8 @@ def proxy_settings(cfg: HostConfig, node_keys: keys.NodeKeys, token_file: str,
         # The model's folder is mounted in the proxy's container too: prompts are tokenized
         # there, and hashed by the engines' block size from the first request on.
         "tokenizer": cfg.model.path, "kv_block_size": cfg.block_size,
+        # auto weighs a local prefill by the chunk D computes it in (0: no cap, unknown)
+        "decode_prefill_chunk": cfg.decode_prefill_chunk or None,
         "backend_api_key_file": str(node_keys.api_key), "bootstrap_token_file": token_file,
         "side_channel_key_file": str(node_keys.side_channel_key),
         **cfg.tracing.proxy_settings(),

@@ -31,6 +31,8 @@
                                "otlp_traces_sample_ratio" $v.tracing.sampleRatio) -}}
 {{- end -}}
 {{- if $p.tokenizer }}{{ $_ := set $derived "tokenizer" $v.model.path }}{{ end -}}
+{{- $chunk := include "pd-appliance.decodePrefillChunk" . | int -}}
+{{- if gt $chunk 0 }}{{ $_ := set $derived "decode_prefill_chunk" $chunk }}{{ end -}}
 {{- $file := dict "policy" $p.policy "split" $p.split "prefix_index" $p.prefixIndex
                   "itl_slo_ms" $p.itlSloMs -}}
 {{- range $key, $value := $p.settings | default dict -}}

@@ -88,8 +88,8 @@ lifecycle:
       "--host" "$(POD_IP)" "--port" (toString (int (index $v.ports $role))) -}}
 {{- if eq $role "decode" -}}
 {{- $args = concat $args (list "--middleware" "appliance.connector.httpguard.KVParamsGuard") -}}
-{{- $chunk := ternary (ternary 128 512 (eq $v.stack "cpu")) $m.decodePrefillChunk (kindIs "invalid" $m.decodePrefillChunk) -}}
-{{- if gt (int64 $chunk) 0 }}{{ $args = concat $args (list "--long-prefill-token-threshold" (toString (int64 $chunk))) }}{{ end -}}
+{{- $chunk := include "pd-appliance.decodePrefillChunk" $ctx | int64 -}}
+{{- if gt $chunk 0 }}{{ $args = concat $args (list "--long-prefill-token-threshold" (toString $chunk)) }}{{ end -}}
 {{- end -}}
 {{- $stepTokens := ternary (ternary 256 0 (eq $v.stack "cpu")) $m.maxNumBatchedTokens (kindIs "invalid" $m.maxNumBatchedTokens) -}}
 {{- if gt (int64 $stepTokens) 0 }}{{ $args = concat $args (list "--max-num-batched-tokens" (toString (int64 $stepTokens))) }}{{ end -}}
@@ -318,4 +318,11 @@ livenessProbe:
 {{- define "pd-appliance.blockSize" -}}
 {{- $v := .Values -}}
 {{- toString (int ($v.model.blockSize | default (ternary 32 16 (eq $v.stack "cpu")))) -}}
+{{- end -}}
+
+{{/* D's longest prefill chunk while it decodes (vLLM's --long-prefill-token-threshold; 0: no
+     cap): D's flag, and the proxy's decode_prefill_chunk, which weighs a local prefill by it. */}}
+{{- define "pd-appliance.decodePrefillChunk" -}}
+{{- $m := .Values.model -}}
+{{- toString (int64 (ternary (ternary 128 512 (eq .Values.stack "cpu")) $m.decodePrefillChunk (kindIs "invalid" $m.decodePrefillChunk))) -}}
 {{- end -}}
