@@ -121,7 +121,7 @@ class Entry:
             lambda ds: px.router.pick_decode(ds, flight.prefix))
         px.metrics.admission_wait.observe(time.monotonic() - asked)
         try:
-            return await self._serve(request, flight, body, prefills, d, size)
+            return await self._serve(request, flight, body, d, size)
         except NodeDown as down:
             if rec.ttfb_s is not None:
                 raise
@@ -131,17 +131,20 @@ class Entry:
                 lambda ds: px.router.pick_decode(ds, flight.prefix))
 
     async def _serve(self, request: web.Request, flight: Flight, body: dict[str, Any],
-                     prefills: list[PrefillBackend], d: Backend,
-                     size: tuple[int, int]) -> web.StreamResponse:
+                     d: Backend, size: tuple[int, int]) -> web.StreamResponse:
         """The request placed and sent on its path, D admitted."""
         px, rec = self.proxy, flight.rec
+        # The rotation as it is now: a P drained or found down while the request was
+        # tokenized or waited for its slot is not called.
+        prefills = px.backends.ready_prefill()
         if not prefills:
             flight.serve_on(d, holds_node=False)
             return await px.paths.plain(request, flight, body, d, "no_prefill")
         if px.prefix is not None and flight.prefix is not None:
             # As the index is now, and no await from here to `expect`: a burst on one
             # prefix sees where the first of it is computed.
-            flight.prefix = px.prefix.recount(flight.prefix, list(flight.prefix.cached))
+            asked = dict.fromkeys([*flight.prefix.cached, *(b.url for b in prefills)])
+            flight.prefix = px.prefix.recount(flight.prefix, list(asked))
         p = px.router.pick_prefill(prefills, flight.prefix)
         decision, ticket, chars = self._place(body, flight, p, d, size)
         flight.placed(decision, ticket, chars)

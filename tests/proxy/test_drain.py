@@ -172,3 +172,20 @@ async def test_pdctl_drain_and_undo_against_the_running_proxy(make_cluster: Make
     (run_dir / "keys" / "api-key").write_text("wrong\n")
     res = await asyncio.to_thread(pdctl, "drain", "decode")
     assert res.exit_code == 1 and "the proxy answered 401" in res.output
+
+
+async def test_a_p_drained_while_a_request_waits_for_its_slot_is_not_called(
+        make_cluster: MakeCluster) -> None:
+    """The request's P is picked from the rotation as it is once D admitted it, not as it
+    was when it arrived: P drained meanwhile gets nothing, D serves it alone."""
+    c = await make_cluster(max_in_flight_per_decode=1, max_queued=4, queue_timeout_s=5.0)
+    c.decode[0].delay = 0.5
+    first = asyncio.create_task(c.post())
+    await c.decode[0].wait_requests(1)
+    second = asyncio.create_task(c.post())  # waits for D's one slot
+    await asyncio.sleep(0.1)
+    assert (await _admin(c, "drain", c.prefill[0].url))[0] == 200
+    c.decode[0].delay = 0.0
+    assert [(await t)[0] for t in (first, second)] == [200, 200]
+    assert len(c.prefill[0].received) == 1  # the first's only
+    assert "kv_transfer_params" not in c.decode[0].bodies()[1]  # D alone
