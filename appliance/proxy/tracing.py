@@ -59,8 +59,9 @@ class Tracing:
         self.endpoint, self.protocol = endpoint, protocol
         self.export = ExportProcess(endpoint, protocol, "appliance.proxy.spanwriter:SpanWriter")
         self.sample_ratio = sample_ratio
-        # Paused (PUT /admin/tracing): requests go as if no endpoint were set, no context
-        # sent; the exporter stays up, so resuming costs nothing.
+        # Paused (PUT /admin/tracing): nothing is recorded, and each call carries an
+        # unsampled context, so P and D (which export to the same collector) record nothing
+        # either; the exporter stays up, so resuming costs nothing.
         self.enabled = True
 
     def state(self) -> dict[str, Any]:
@@ -73,10 +74,10 @@ class Tracing:
     async def close(self) -> None:
         await self.export.close()  # what is queued is sent
 
-    def begin(self) -> RequestTrace | Unsampled | None:
-        """A request's trace; None while tracing is paused."""
+    def begin(self) -> RequestTrace | Unsampled:
+        """A request's trace: unsampled while tracing is paused, or by the sample ratio."""
         if not self.enabled:
-            return None
+            return Unsampled()
         if self.sample_ratio < 1.0 and random.random() >= self.sample_ratio:
             return Unsampled()
         return RequestTrace(self.export)
