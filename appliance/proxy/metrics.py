@@ -210,6 +210,21 @@ class ProxyMetrics:
                                     "Nodes the proxy knows, by role (leaving ones included)",
                                     ["role"], registry=r)
 
+    def forget_backend(self, role: str, url: str) -> None:
+        """A node dropped (it left, nothing in flight): its series go with it, or a cluster
+        whose pods come and go would grow /metrics by a few series per pod for good."""
+        # Each labelled (role, backend, then these), as declared above.
+        for metric, more in ((self.backend_up, ()), (self.prefix_hits, ()),
+                             (self.prefix_queries, ()), (self.upstream_errors, ("kind",))):
+            for family in metric.collect():
+                for sample in family.samples:
+                    labels = sample.labels
+                    if labels.get("role") == role and labels.get("backend") == url:
+                        try:
+                            metric.remove(role, url, *(labels[k] for k in more))
+                        except KeyError:  # _total and _created name one series twice
+                            pass
+
     def count_request(self, route: str, status: int) -> None:
         key = (route, status)
         self.request_counts[key] = self.request_counts.get(key, 0) + 1

@@ -72,6 +72,7 @@ async def test_a_removed_node_finishes_its_request_then_is_dropped(
     assert (await slow)[0] == 200  # what it had finished
     await c.wait_for(lambda: _gone(c, d0.url))
     assert up not in await c.metrics()
+    assert d0.url not in await c.metrics()  # no series of a node that is gone
     d0.delay = 0.0
     _reconcile(c, decode=[d0, d1])  # added again: a new member, checked first
     await c.wait_for(lambda: _in_rotation(c, "decode", d0.url))
@@ -144,3 +145,21 @@ async def test_a_moved_bootstrap_is_queried_again(make_cluster: MakeCluster) -> 
     await c.wait_for(moved)
     assert (await c.post())[0] == 200
     assert c.decode[0].received[-1].kv["remote_bootstrap_addr"] == other.url
+
+
+def test_a_dropped_nodes_series_all_go() -> None:
+    """Every series labelled with a dropped node's URL (its up gauge, the prefix index's
+    predictions, its upstream errors) leaves /metrics; the other node's stay."""
+    from appliance.proxy.metrics import ProxyMetrics
+
+    m = ProxyMetrics()
+    for url in ("http://a:1", "http://b:1"):
+        m.backend_up.labels("decode", url).set(1)
+        m.prefix_hits.labels("decode", url).inc(8)
+        m.prefix_queries.labels("decode", url).inc(16)
+        for kind in ("timeout", "connect"):
+            m.upstream_errors.labels("decode", url, kind).inc()
+    m.forget_backend("decode", "http://a:1")
+    text = m.render().decode()
+    assert "http://a:1" not in text
+    assert text.count('backend="http://b:1"') >= 5

@@ -218,7 +218,7 @@ class Backends:
         self.decode = [b for b in self.decode if b not in gone]
         for b in gone:
             b.dropped = True
-            self.metrics.backend_up.remove(b.role, b.url)
+            self.metrics.forget_backend(b.role, b.url)
             self.metrics.membership.labels(b.role, "dropped").inc()
             log.info("%s %s %s", b.role, b.url,
                      "dropped: its requests in flight finished" if b.left_busy
