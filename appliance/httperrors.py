@@ -4,6 +4,20 @@ from __future__ import annotations
 
 from aiohttp import web
 
+# The status a request gets when its client hangs up before the answer ends (nginx's): no
+# response is sent, it is counted and logged so, and it is no failure of the node's.
+CLIENT_GONE = 499
+
+
+def request_outcome(status: int | str) -> str:
+    """"ok" (2xx), "cancelled" (the client hung up) or "failed": how `pdctl status` and
+    `pdctl top` count the proxy's pd_proxy_requests_total by its status label."""
+    code = str(status)
+    if code.startswith("2"):
+        return "ok"
+    return "cancelled" if code == str(CLIENT_GONE) else "failed"
+
+
 # Set by each app to its client_max_size, so a 413 can name the limit.
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 

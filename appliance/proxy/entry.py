@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from appliance.httperrors import json_error
+from appliance.httperrors import CLIENT_GONE, json_error
 from appliance.proxy.access import AccessRecord
 from appliance.proxy.app import Proxy
 from appliance.proxy.errors import NodeDown, ProxyError
@@ -59,10 +59,10 @@ class Entry:
             return json_error(exc.status, exc.message, exc.err_type,
                               headers={"X-Request-Id": rec.request_id, **exc.headers})
         except asyncio.CancelledError:
-            rec.status, rec.error = 499, "client disconnected"  # nginx's code for it
+            rec.status, rec.error = CLIENT_GONE, "client disconnected"
             raise
         except ConnectionResetError:  # the client left as its answer started
-            rec.status, rec.error = 499, "client disconnected"
+            rec.status, rec.error = CLIENT_GONE, "client disconnected"
             raise
         except Exception as exc:
             log.exception("request %s failed", rec.request_id)

@@ -8,6 +8,7 @@ import math
 import pytest
 from rich.console import Console
 
+from appliance.httperrors import request_outcome
 from appliance.pdctl.top.view import NodeSample, Sample, frame, quantile, render
 from tests.conftest import free_port
 from tests.pdctl.conftest import error_lines
@@ -38,6 +39,8 @@ def test_a_frame_is_the_window_between_two_samples() -> None:
                *_hist(ttft, {"0.05": 90, "0.1": 100, "+Inf": 100})]
     b_proxy = [("pd_proxy_requests_total", {"route": "/v1/completions", "status": "200"}, 120.0),
                ("pd_proxy_requests_total", {"route": "/v1/completions", "status": "502"}, 2.0),
+               # clients that hung up: neither answered nor an error of the node's
+               ("pd_proxy_requests_total", {"route": "/v1/completions", "status": "499"}, 7.0),
                ("pd_proxy_requests_in_flight", {}, 3.0),
                *_hist(ttft, {"0.05": 90, "0.1": 110, "+Inf": 110}),
                *_hist(ttft, {"0.05": 0, "0.1": 10, "+Inf": 10}, path="local")]
@@ -83,3 +86,8 @@ def test_bad_flags_are_one_line(pdctl, args, message) -> None:
     assert res.exit_code == 2
     (line,) = error_lines(res)
     assert message in line
+
+
+def test_a_client_that_hung_up_is_counted_apart() -> None:
+    assert [request_outcome(s) for s in (200, "204", 499, "499", 400, 502, "")] == \
+        ["ok", "ok", "cancelled", "cancelled", "failed", "failed", "failed"]

@@ -169,11 +169,11 @@ def test_up_local_serves_like_a_plain_server_and_down_leaves_nothing(plain_serve
         assert sum(split["last_minute"].values()) >= 5, split
         assert status["counters"].get("prefill.transfers", 0) >= \
             split["last_minute"]["remote"], (status["counters"], split)
-        # Five requests went through; the proxy (at the time of writing) counts a stream whose
-        # client hangs up right after [DONE] as 499, so only their total is pinned here.
+        # Five requests went through; a stream whose client hangs up right after [DONE] may
+        # be counted as 499: cancelled, no failure.
         counters = status["counters"]
-        assert counters["requests_ok"] >= 3
-        assert counters["requests_ok"] + counters["requests_failed"] >= 5
+        assert counters["requests_ok"] >= 3 and counters["requests_failed"] == 0, counters
+        assert counters["requests_ok"] + counters["requests_cancelled"] >= 5
 
         # secure by default: keys, and nothing on a wildcard address but Mooncake's ports
         for name in ("api-key", "bootstrap-token", "side-channel.key"):

@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
+from appliance.httperrors import request_outcome
+
 SERVICES = ("bootstrap", "prefill", "decode", "proxy")
 
 
@@ -232,11 +234,12 @@ def _proxy_details(status: NodeStatus, svc: ServiceStatus, url: str, timeout: fl
             for b in body.get(role) or []:
                 status.backends.append({"role": role, **b})
     samples = metric_samples(fetch(f"{url}/metrics", timeout, auth).body)
-    ok = sum(v for n, labels, v in samples
-             if n == "pd_proxy_requests_total" and labels.get("status", "").startswith("2"))
-    failed = sum(v for n, labels, v in samples
-                 if n == "pd_proxy_requests_total" and not labels.get("status", "").startswith("2"))
-    status.counters.update({"requests_ok": ok, "requests_failed": failed})
+    # A client that hung up is counted apart: no failure of the node's.
+    by_outcome = {"ok": 0.0, "cancelled": 0.0, "failed": 0.0}
+    for n, labels, v in samples:
+        if n == "pd_proxy_requests_total":
+            by_outcome[request_outcome(labels.get("status", ""))] += v
+    status.counters.update({f"requests_{k}": v for k, v in by_outcome.items()})
     for label, metric in _PROXY_COUNTERS:
         status.counters[label] = sum_samples(samples, metric) or 0.0
     ready = {role: sum(1 for b in status.backends if b["role"] == role and b.get("in_rotation"))

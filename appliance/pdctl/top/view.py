@@ -20,6 +20,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from appliance.httperrors import request_outcome
 from appliance.pdctl.node.status import fetch, metric_samples, split_summary
 
 Samples = list[tuple[str, dict[str, str], float]]
@@ -124,12 +125,13 @@ def frame(a: Sample, b: Sample) -> dict[str, Any]:
     if b.error:
         return out
 
-    def requests(s: Samples, ok: bool | None) -> float:
-        return sum(v for n, labels, v in s if n == "pd_proxy_requests_total" and (
-            ok is None or labels.get("status", "").startswith("2") == ok))
+    def requests(s: Samples, outcome: str) -> float:
+        return sum(v for n, labels, v in s if n == "pd_proxy_requests_total"
+                   and request_outcome(labels.get("status", "")) == outcome)
 
-    out["requests_per_s"] = _rate(requests(a.proxy, True), requests(b.proxy, True), dt)
-    out["errors_per_s"] = _rate(requests(a.proxy, False), requests(b.proxy, False), dt)
+    out["requests_per_s"] = _rate(requests(a.proxy, "ok"), requests(b.proxy, "ok"), dt)
+    # Clients that hung up are no errors of the node's.
+    out["errors_per_s"] = _rate(requests(a.proxy, "failed"), requests(b.proxy, "failed"), dt)
     for key, metric in (("overloaded_per_s", "pd_proxy_overloaded_total"),
                         ("fallbacks_per_s", "pd_proxy_prefill_fallbacks_total"),
                         ("upstream_errors_per_s", "pd_proxy_upstream_errors_total")):
