@@ -27,7 +27,7 @@ from appliance.proxy.ownership.pulls import Pulls
 from appliance.proxy.ownership.release import KVReleaser
 from appliance.proxy.placement import Placement
 from appliance.proxy.placement.routing import Router
-from appliance.proxy.placement.seeding import seed
+from appliance.proxy.placement.seeding import Nodes, seed
 from appliance.proxy.prefix.cache import PrefixCache
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.tracing import Tracing
@@ -124,10 +124,12 @@ class Proxy:
                                       s.kv_block_size)
             self.prefix.start()
         if self.settings.split == "auto":
+            nodes = Nodes(self.backends.ready_prefill, self.backends.ready_decode,
+                          self.backends.rotation_changed, self.session, self.base_headers,
+                          min(self.settings.prefill_timeout_s, SEED_TIMEOUT_S),
+                          self.settings.deadlines.recv_ms(after_prefill=True))
             self._seeding = asyncio.create_task(seed(
-                self.placement.prefill, self.backends.ready_prefill,
-                self.backends.rotation_changed, self.session, self.base_headers,
-                min(self.settings.prefill_timeout_s, SEED_TIMEOUT_S), self.settings.calibrate))
+                self.placement.prefill, self.placement.handoff, nodes, self.settings.calibrate))
         if self.settings.discovery == "kubernetes":
             # Nodes come and go with the pods; the poller checks each new one at once.
             self.discovery = KubernetesDiscovery(self.settings.kubernetes,

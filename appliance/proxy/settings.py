@@ -145,8 +145,8 @@ class ProxySettings(BaseModel):
     # A fresh P is timed by a few one-token completions (appliance.proxy.placement.seeding).
     calibrate: Annotated[bool, Flag(PLACEMENT)] = Field(
         True, description="auto: when P's metrics show no prefill yet, time a few short "
-                          "prompts on it at start, so the first requests are placed by "
-                          "measurement; P's history is read either way")
+                          "prompts at start, prefilled on P and pulled by D, so the first "
+                          "requests are placed by measurement; P's history is read either way")
     fallback_to_decode: Annotated[bool, Flag(PLACEMENT, name="fallback")] = Field(
         True, description="serve by D alone when P is unreachable or times out, instead of a 503")
     # This appliance's connector sends the KV whatever the finish reason, so D is left

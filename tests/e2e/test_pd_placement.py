@@ -103,7 +103,7 @@ async def test_every_placement_answers_as_a_plain_server(pd_node, plain_server, 
     assert metric(auto, f'{DECISIONS}{{decision="local",reason="sooner"}}') == 4
     log = log_text(proxies["auto_log"])
     assert "split=local:sooner" in log and "unmeasured" not in log
-    assert "auto: prefill line " in log  # seeded from P's history, or calibrated
+    assert "auto: prefill" in log  # seeded from P's history, or calibrated
     split = _split_status(auto)
     assert split["policy"] == "auto" and split["last_minute"] == {"remote": 0, "local": 4,
                                                                           "p_alone": 0}

@@ -154,8 +154,8 @@ def test_up_local_serves_like_a_plain_server_and_down_leaves_nothing(plain_serve
         assert streamed == want
 
         # status: every service healthy, exit 0; P's KV really moved for what was placed
-        # remote (the default split is auto: the first request goes to P, nothing is
-        # measured yet; then an idle node is answered by D alone)
+        # remote (the default split is auto, timed on P at start: an idle node is answered
+        # mostly by D alone)
         res = subprocess.run([PDCTL, "status", "--run-dir", str(node.run_dir), "--json"],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stdout + res.stderr
@@ -165,8 +165,11 @@ def test_up_local_serves_like_a_plain_server_and_down_leaves_nothing(plain_serve
             ["bootstrap", "prefill", "decode", "proxy"]
         assert status["engine_ids"] == ["prefill-0"]
         split = status["split"]
-        assert split["policy"] == "auto" and split["last_minute"]["remote"] >= 1, split
-        assert sum(split["last_minute"].values()) >= 5, split
+        # auto, timed at start through the whole split (P's prefills, each pulled by D: KV
+        # moved before any client asked), then every request placed by measurement; on
+        # this idle node that is mostly D alone.
+        assert split["policy"] == "auto" and sum(split["last_minute"].values()) >= 5, split
+        assert status["counters"].get("decode.received", 0) >= 4, status["counters"]
         assert status["counters"].get("prefill.transfers", 0) >= \
             split["last_minute"]["remote"], (status["counters"], split)
         # Five requests went through; a stream whose client hangs up right after [DONE] may

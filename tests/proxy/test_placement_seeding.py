@@ -59,16 +59,25 @@ async def test_a_restarted_proxy_reads_ps_history_and_places_its_first_request(
     assert 'reason="unmeasured"' not in await _first_decision(c)
 
 
-async def test_a_fresh_p_is_timed_at_start(make_cluster: MakeCluster) -> None:
+async def test_a_fresh_p_is_timed_at_start_through_the_split(
+        make_cluster: MakeCluster) -> None:
+    """A warm-up and four timed prompts, each prefilled on P and pulled by D: the prefill
+    line from P's answers, the handoff from D's after them."""
     c = await make_cluster(split="auto", ready=False)
     c.prefill[0].metrics_text = _histograms(0, 0.0, 0.0)
     await c.wait_ready()
-    prefill = await _seeded(c)
-    calibration = [r for r in c.prefill[0].received
-                   if r.headers["X-Request-Id"].startswith("calibrate-")]
-    assert len(calibration) == 5 and prefill["samples"] == 4  # the warm-up is not timed
-    assert all(r.body["max_tokens"] == 1 and "kv_transfer_params" not in r.body
-               and r.body["model"] == "tiny" for r in calibration)
+    await _seeded(c)
+    split = (await c.status())["split"]
+    assert split["prefill"]["samples"] == 4 and split["handoff"]["samples"] == 4
+    on_p = [r for r in c.prefill[0].received if r.headers["X-Request-Id"].startswith("calib")]
+    on_d = [r for r in c.decode[0].received if r.headers["X-Request-Id"].startswith("calib")]
+    assert len(on_p) == len(on_d) == 5  # the warm-up is not timed
+    for p_call, d_call in zip(on_p, on_d, strict=True):
+        assert p_call.body["max_tokens"] == 1 and p_call.body["model"] == "tiny"
+        assert p_call.kv is not None and p_call.kv["do_remote_decode"] is True
+        assert d_call.kv is not None and d_call.kv["do_remote_prefill"] is True
+        assert d_call.kv["transfer_id"] == p_call.kv["transfer_id"]
+        assert d_call.kv["remote_engine_id"] == "engine-p0-dp0"
     assert 'reason="unmeasured"' not in await _first_decision(c)
 
 
