@@ -87,6 +87,38 @@ async def test_an_idle_socket_closes_and_the_next_pull_opens_one(bootstrap_url):
         await pair.close()
 
 
+async def test_a_producer_restarted_after_its_idle_socket_closed_is_found_anew(bootstrap_url):
+    """D closed its idle socket to a P worker (no link event follows: D closed it), then
+    that worker restarted at a new port under the same engine id: D's next pull asks the
+    sidecar again instead of connecting to the old address and waiting its deadline."""
+    pair = Pair(bootstrap_url, peer_idle_s=0.3)
+    await pair.start()
+    old = pair.sender
+    try:
+        pair.sender.on_ready("p1", "x1", [[1]], None)
+        pair.receiver.on_recv("d1", pair.spec("x1", [10]))
+        assert await pair.results() == ({"d1"}, set())
+        deadline = time.monotonic() + 5
+        while len(pair.receiver._peers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(pair.receiver._peers) == 0  # closed for idleness
+        _kill(old)
+        pair.sender = Sender(pair.p_settings, pair.p.transport, pair.p.regions, "127.0.0.1",
+                             0, 1, 0, pair.p.stats)
+        addr = await pair.sender.start()
+        assert addr != old.side_channel_addr
+        await wait_registered(bootstrap_url, 0, addr)
+        pair.sender.on_ready("p2", "x2", [[2]], None)
+        start = time.monotonic()
+        pair.receiver.on_recv("d2", pair.spec("x2", [20]))
+        assert await pair.results() == ({"d2"}, set())
+        assert time.monotonic() - start < 1.5  # not recv_timeout_s at the old address
+        pair.assert_copied([2], [20])
+    finally:
+        await pair.close()
+        await old._bootstrap.close()
+
+
 async def test_a_socket_a_pull_waits_on_stays_past_its_idle_time(bootstrap_url):
     pair = Pair(bootstrap_url, peer_idle_s=0.2, recv_timeout_s=5)
     await pair.start()

@@ -166,14 +166,19 @@ class Peers:
         self._stats.record_peer(opened=False)
         log.info("side channel to %s closed: %s", peer.addr, why)
 
-    def sweep(self, busy: set[str], now: float) -> None:
+    def sweep(self, busy: set[str], now: float) -> list[str]:
+        """Closes what `to_close` picks; returns their addresses. The caller forgets them
+        as workers' addresses: once D closed the socket no link event comes, and a worker
+        restarted meanwhile (same engine id, new port) must be looked up again."""
         views = [PeerView(p.addr, p.last_used, p.lost) for p in self._open.values()]
-        for addr in to_close(views, busy, now, self.idle_s, self.cap):
+        closed = to_close(views, busy, now, self.idle_s, self.cap)
+        for addr in closed:
             peer = self._open[addr]
             idle = now - peer.last_used
             self.close(peer, "the producer went away" if peer.lost else
                        f"idle for {idle:.0f} s" if idle > self.idle_s else
                        f"least recently used of more than max_peers={self.cap}")
+        return closed
 
     def close_all(self) -> None:
         for peer in list(self._open.values()):

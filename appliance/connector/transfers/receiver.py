@@ -193,6 +193,11 @@ class Receiver:
             if peer.addr in inc.waiting:
                 self._answered(inc, peer.addr, f"side channel to {peer.addr} refused: {why}")
 
+    def _sweep(self, busy: set[str], now: float) -> None:
+        """Closes lost, idle and surplus sockets, and forgets them as workers' addresses."""
+        for addr in self._peers.sweep(busy, now):
+            self.producers.forget(addr)
+
     def on_peer_lost(self, peer: Peer) -> None:
         """The link to a producer worker dropped: it died (a restart binds a new port) or
         the network cut it. Its address is looked up again before the next pull (and while
@@ -211,7 +216,7 @@ class Receiver:
                 # the blocks wait cancel_grace_s, not the deadline the worker was sent.
                 self._give_up(inc, f"side channel to {peer.addr} lost")
                 inc.hold_until = min(inc.hold_until, now + self.settings.cancel_grace_s)
-        self._peers.sweep(busy, now)
+        self._sweep(busy, now)
 
     def _busy_peers(self) -> set[str]:
         return {addr for inc in self.incoming.values() for addr in inc.waiting}
@@ -295,7 +300,7 @@ class Receiver:
             now = time.monotonic()
             if now >= self._next_sweep:
                 self._next_sweep = now + min(5.0, self.settings.peer_idle_s / 2)
-                self._peers.sweep(self._busy_peers(), now)
+                self._sweep(self._busy_peers(), now)
             for inc in list(self.incoming.values()):
                 if inc.state.terminal:
                     continue
