@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from appliance.connector.sidechannel.peers import PeerView, to_close
 from appliance.connector.transfers.sender import Sender
 from tests.connector.test_side_channel import Pair, wait_registered
@@ -170,12 +172,16 @@ async def test_a_sidecar_still_naming_a_dead_worker_is_asked_again(bootstrap_url
         await old._bootstrap.close()
 
 
-async def test_a_pull_whose_worker_dies_ends_at_the_grace_not_its_deadline(bootstrap_url):
-    """The worker's link drops while D waits for its KV: it writes nothing more, so D
-    gives the pull up and its blocks back after cancel_grace_s (for what was on the wire),
-    not at the request's deadline (by default the proxy's whole wait for P)."""
+async def test_a_pull_whose_worker_dies_is_held_until_another_replaces_it(bootstrap_url):
+    """The worker's link drops while D waits for its KV. A dropped link is no dead worker
+    (a reset flow, a front-end NIC outage while KV moves over RDMA): it may still write
+    until the deadline it was sent, so D keeps the pull's blocks past cancel_grace_s. Once
+    the sidecar names another worker for that engine and rank (P restarted), the old one is
+    gone: the pull goes back after cancel_grace_s, not at its deadline, and D's next pull
+    reaches the new worker."""
     pair = Pair(bootstrap_url, recv_timeout_s=60, cancel_grace_s=1)
     await pair.start()
+    old = pair.sender
     try:
         assert pair.receiver is not None
         pair.receiver.on_recv("d1", pair.spec("x1", [10, 11]))  # P has not prefilled it
@@ -184,11 +190,24 @@ async def test_a_pull_whose_worker_dies_ends_at_the_grace_not_its_deadline(boots
             if inc is not None and inc.waiting:
                 break
             await asyncio.sleep(0.02)
+        _kill(old)
+        with pytest.raises(AssertionError, match="reported nothing"):
+            await pair.results(timeout=2.5)  # past the grace: still held
+        pair.sender = Sender(pair.p_settings, pair.p.transport, pair.p.regions, "127.0.0.1",
+                             0, 1, 0, pair.p.stats)
+        addr = await pair.sender.start()
+        await wait_registered(bootstrap_url, 0, addr)
         start = time.monotonic()
-        _kill(pair.sender)
-        assert await pair.results(timeout=10) == ({"d1"}, {"d1"})
-        assert time.monotonic() - start < 5
-        pair.assert_untouched()
+        pair.sender.on_ready("p2", "x2", [[3]], None)
+        pair.receiver.on_recv("d2", pair.spec("x2", [20]))
+        finished: set[str] = set()
+        failed: set[str] = set()
+        while finished != {"d1", "d2"}:
+            done, bad = await pair.results(timeout=10)
+            finished, failed = finished | done, failed | bad
+        assert failed == {"d1"} and time.monotonic() - start < 5
+        pair.assert_copied([3], [20])
+        pair.assert_untouched({20})
     finally:
         await pair.close()
-        await pair.sender._bootstrap.close()
+        await old._bootstrap.close()

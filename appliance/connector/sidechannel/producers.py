@@ -22,11 +22,16 @@ Key = tuple[str, str]  # (bootstrap sidecar URL, producer engine id)
 
 class Producers:
     def __init__(self, settings: ConnectorSettings, tp_rank: int, tp_size: int,
-                 total_heads: int | None, gone: Callable[[str], bool]) -> None:
+                 total_heads: int | None, gone: Callable[[str], bool],
+                 replaced: Callable[[str], None] = lambda addr: None) -> None:
         self.settings = settings
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.total_heads = total_heads  # the model's KV heads; 0: MLA; None: unknown
         self._gone = gone  # whether a side-channel address's link has dropped
+        # Told each address the sidecar no longer names for its engine and rank: a worker
+        # restarted elsewhere, so the old one writes nothing more.
+        self._replaced = replaced
+        self._named: dict[tuple[Key, int], str] = {}  # what the sidecar last named
         self._clients: dict[str, BootstrapClient] = {}
         self._engines: dict[Key, dict[int, str]] = {}  # tp_rank -> side-channel address
         self._tp_sizes: dict[Key, int] = {}
@@ -108,8 +113,13 @@ class Producers:
         answer = await client.query()
         for view in answer.values():
             key = (bootstrap, view.engine_id)
-            self._engines[key] = {
+            workers = self._engines[key] = {
                 int(tp): pps["0"] for tp, pps in view.worker_addr.items() if "0" in pps}
+            for rank, addr in workers.items():
+                before = self._named.get((key, rank))
+                self._named[(key, rank)] = addr
+                if before is not None and before != addr:
+                    self._replaced(before)
             # A sidecar that does not know the producer's TP size (vLLM's own) leaves it
             # out: then it is assumed equal to ours, the reference's only case.
             self._tp_sizes[key] = view.tp_size

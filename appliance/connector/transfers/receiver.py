@@ -77,7 +77,8 @@ class Receiver:
         self._peers = Peers(self._ctx, self, stats, self._key, settings.peer_idle_s,
                             settings.max_peers)
         self._next_sweep = 0.0
-        self.producers = Producers(settings, tp_rank, tp_size, total_heads, self._peers.gone)
+        self.producers = Producers(settings, tp_rank, tp_size, total_heads, self._peers.gone,
+                                   self._worker_replaced)
         self._reports = Reports()
         self.spans = TransferSpans("decode", settings.engine_id, tp_rank)
         self._tasks = [asyncio.create_task(self._deadline_loop())]
@@ -212,11 +213,22 @@ class Receiver:
         now = time.monotonic()
         for inc in list(self.incoming.values()):
             if peer.addr in inc.waiting:
-                # Its worker is gone and writes nothing more, but for what was on the wire:
-                # the blocks wait cancel_grace_s, not the deadline the worker was sent.
+                # A dropped link is no dead worker: P may still write into these blocks
+                # until the deadline it was sent. They stay held until P confirms the
+                # cancel (queued for the link's return) or that deadline passed, or the
+                # sidecar names another worker in its place (`_worker_replaced`).
                 self._give_up(inc, f"side channel to {peer.addr} lost")
-                inc.hold_until = min(inc.hold_until, now + self.settings.cancel_grace_s)
         self._sweep(busy, now)
+
+    def _worker_replaced(self, addr: str) -> None:
+        """The sidecar names another worker where `addr` was (a restarted P): the worker at
+        `addr` is gone and writes nothing more, but for what was on the wire, so the pulls
+        waiting on it go back after cancel_grace_s, not at their deadline."""
+        until = time.monotonic() + self.settings.cancel_grace_s
+        for inc in list(self.incoming.values()):
+            if addr in inc.waiting:
+                self._give_up(inc, f"its producer {addr} was replaced")
+                inc.hold_until = min(inc.hold_until, until)
 
     def _busy_peers(self) -> set[str]:
         return {addr for inc in self.incoming.values() for addr in inc.waiting}
