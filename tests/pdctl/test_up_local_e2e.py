@@ -236,6 +236,8 @@ def test_up_local_sizes_the_kv_cache_for_a_larger_model(tmp_path):
         assert got["usage"]["completion_tokens"] == 4
         res = subprocess.run([PDCTL, "status", "--run-dir", str(node.run_dir), "--json"],
                              capture_output=True, text=True, timeout=60)
-        assert json.loads(res.stdout)["counters"]["decode.received"] == 1
+        # auto's calibration at start moved P's KV to D five times (a warm-up and four
+        # timed prompts), then the request was placed by measurement.
+        assert json.loads(res.stdout)["counters"]["decode.received"] >= 5
     finally:
         node.cleanup()
