@@ -6,7 +6,10 @@ answered, background requests, a P with several dp ranks."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
+
+import pytest
 
 from appliance.pdctl.node.status import metric_samples, sum_samples
 from tests.proxy import fake_responses as fr
@@ -29,8 +32,10 @@ def kinds(text: str) -> list[str]:
     return [line[7:] for line in text.split("\n") if line.startswith("event: ")]
 
 
-async def test_a_response_is_split_like_a_chat(cluster: Cluster) -> None:
+async def test_a_response_is_split_like_a_chat(cluster: Cluster,
+                                              caplog: pytest.LogCaptureFixture) -> None:
     c = cluster
+    caplog.set_level(logging.INFO, logger="appliance.proxy.access")
     status, data, _ = await c.post(PATH, request())
     assert status == 200
     assert data["status"] == "incomplete" and data["usage"]["output_tokens"] == 4
@@ -48,6 +53,9 @@ async def test_a_response_is_split_like_a_chat(cluster: Cluster) -> None:
     m = metric_samples(await c.metrics())
     assert sum_samples(m, "pd_proxy_requests_total", route=PATH, status="200") == 1
     assert sum_samples(m, "pd_proxy_output_tokens_sum", path="split") == 4
+    xfer = p["kv_transfer_params"]["transfer_id"]
+    assert f"{PATH} " in caplog.text and f"xfer={xfer} " in caplog.text
+    assert "status=200 split=remote:policy" in caplog.text
 
 
 async def test_a_stream_is_relayed_event_by_event(cluster: Cluster) -> None:
@@ -149,8 +157,9 @@ async def test_split_never_serves_it_whole_on_d(make_cluster: MakeCluster) -> No
 
 
 async def test_a_continued_response_goes_to_the_node_that_answered(
-        make_cluster: MakeCluster) -> None:
+        make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture) -> None:
     c = await make_cluster(n_decode=2, policy="round_robin")
+    caplog.set_level(logging.INFO, logger="appliance.proxy.access")
     _, first, _ = await c.post(PATH, request())
     home = next(d for d in c.decode if d.received)
     for _ in range(3):  # round robin would go elsewhere; the home serves each, whole
@@ -161,6 +170,7 @@ async def test_a_continued_response_goes_to_the_node_that_answered(
     m = await c.metrics()
     assert ('pd_proxy_split_decisions_total{decision="local",reason="previous_response"} 3.0'
             in m)
+    assert caplog.text.count(f"d={home.url} status=200 split=local:previous_response") == 3
 
 
 async def test_an_unknown_previous_response_is_asked_whole(cluster: Cluster) -> None:
