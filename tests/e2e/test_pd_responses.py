@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import second_proxy
+from tests.e2e.conftest import proxies_in_front
 from tests.e2e.observe import metric, wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
@@ -28,18 +28,9 @@ ASKS = [
 @pytest.fixture(scope="module")
 def proxies(pd_node, tmp_path_factory):
     """{"always": the node's own proxy, "never": url, "auto": url}."""
-    out, started = {"always": pd_node.spec.proxy_url}, []
-    try:
-        for name, args in (("never", ("--split", "never")), ("auto", ())):
-            svc, url = second_proxy(pd_node, tmp_path_factory.mktemp(f"resp-{name}"), *args)
-            svc.start()
-            started.append(svc)
-            svc.wait_healthy(60)
-            out[name] = url
-        yield out
-    finally:
-        for svc in started:
-            svc.stop()
+    with proxies_in_front(pd_node, tmp_path_factory, never=("--split", "never"),
+                          auto=()) as out:
+        yield {**out, "always": pd_node.spec.proxy_url}
 
 
 def body(ask: dict[str, Any], **extra: Any) -> dict[str, Any]:
