@@ -200,3 +200,13 @@ async def test_a_prefill_with_several_dp_ranks_is_not_split(make_cluster: MakeCl
     assert status == 200 and not c.prefill[0].received
     status, _, _ = await c.post("/v1/completions")
     assert status == 200 and len(c.prefill[0].received) == 1  # the others still split
+
+
+async def test_first_token_mode_leaves_responses_to_the_classic_split(
+        make_cluster: MakeCluster) -> None:
+    c = await make_cluster(first_token_from_prefill=True)
+    status, text = await stream(c, request())
+    assert status == 200 and kinds(text)[-1] == "response.completed"
+    [p] = c.prefill[0].bodies()
+    assert "return_token_ids" not in p and p["max_output_tokens"] == 1
+    assert c.decode[0].bodies()[0]["kv_transfer_params"]["do_remote_prefill"]
