@@ -21,7 +21,7 @@ from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
 from appliance.proxy.nodes.health import HealthPoller
-from appliance.proxy.openai_api import CHAT, COMPLETIONS
+from appliance.proxy.openai_api import CHAT, COMPLETIONS, RESPONSES
 from appliance.proxy.ownership.kv import PrefillKV
 from appliance.proxy.ownership.pulls import Pulls
 from appliance.proxy.ownership.release import KVReleaser
@@ -29,6 +29,7 @@ from appliance.proxy.placement import Placement
 from appliance.proxy.placement.routing import Router
 from appliance.proxy.placement.seeding import Nodes, seed
 from appliance.proxy.prefix.cache import PrefixCache
+from appliance.proxy.responses import Homes
 from appliance.proxy.settings import ProxySettings
 from appliance.proxy.tracing import Tracing
 from appliance.proxy.upstream.pool import Upstreams
@@ -41,7 +42,7 @@ log = logging.getLogger("appliance.proxy")
 _OPS_PATHS = frozenset({"/metrics", "/status"})
 
 
-COMPLETIONS_ROUTES = (COMPLETIONS, CHAT)  # what the proxy splits into P and D
+COMPLETIONS_ROUTES = (COMPLETIONS, CHAT, RESPONSES)  # what the proxy splits into P and D
 SEED_TIMEOUT_S = 30.0  # each call of auto's first measurements (placement.seeding)
 
 
@@ -60,6 +61,7 @@ class Proxy:
         self.discovery: KubernetesDiscovery | None = None
         self._seeding: asyncio.Task[str] | None = None  # auto's first measurements
         self.prefix: PrefixCache | None = None  # the prefix index: auto or cache-aware routing
+        self.homes = Homes()  # the node that answered each response (the Responses API)
         self.tracing = (None if not settings.otlp_traces_endpoint else
                         Tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol,
                                 settings.otlp_traces_sample_ratio))

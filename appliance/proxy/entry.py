@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -23,8 +24,10 @@ from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.bodies import uuid4_str
 from appliance.proxy.flight import Flight
 from appliance.proxy.nodes.backends import Backend, PrefillBackend
-from appliance.proxy.openai_api import parse_request
+from appliance.proxy.openai_api import RESPONSES, parse_request
+from appliance.proxy.placement import Decision
 from appliance.proxy.prefix.cache import Lookup
+from appliance.proxy.responses import Turn
 
 log = logging.getLogger("appliance.proxy")
 
@@ -106,6 +109,7 @@ class Entry:
         except web.HTTPRequestEntityTooLarge:
             raise ProxyError(413, f"request body too large (limit {limit} bytes)") from None
         body = parse_request(raw, rec.route)
+        turn = Turn.begin(body, px.homes) if rec.route == RESPONSES else None
 
         why = await px.wait_answerable()
         if why is not None:
@@ -117,22 +121,28 @@ class Entry:
         rec.stream = body.get("stream") is True
         asked = time.monotonic()
         d = await px.admission.admit(
-            flight, px.backends.ready_decode,
+            flight, px.backends.ready_decode if turn is None
+            else turn.decodes(px.backends.ready_decode),
             lambda ds: px.router.pick_decode(ds, flight.prefix))
         px.metrics.admission_wait.observe(time.monotonic() - asked)
         try:
-            return await self._serve(request, flight, body, d, size)
+            resp = await self._serve(request, flight, body, d, size, turn)
         except NodeDown as down:
             if rec.ttfb_s is not None:
                 raise
             flight.stop_serving()  # the node that went down serves it no longer
-            return await px.paths.elsewhere(
+            resp = await px.paths.elsewhere(
                 request, flight, body, down, px.backends.ready_decode(),
                 lambda ds: px.router.pick_decode(ds, flight.prefix))
+        if turn is not None:
+            turn.answered(resp.status, rec)
+        return resp
 
     async def _serve(self, request: web.Request, flight: Flight, body: dict[str, Any],
-                     d: Backend, size: tuple[int, int]) -> web.StreamResponse:
-        """The request placed and sent on its path, D admitted."""
+                     d: Backend, size: tuple[int, int],
+                     turn: Turn | None) -> web.StreamResponse:
+        """The request placed and sent on its path, D admitted (`turn`: a Responses
+        request's, which may have to be served whole, or by the node it continues)."""
         px, rec = self.proxy, flight.rec
         # The rotation as it is now: a P drained or found down while the request was
         # tokenized or waited for its slot is not called.
@@ -145,8 +155,10 @@ class Entry:
             # prefix sees where the first of it is computed.
             asked = dict.fromkeys([*flight.prefix.cached, *(b.url for b in prefills)])
             flight.prefix = px.prefix.recount(flight.prefix, list(asked))
-        p = px.router.pick_prefill(prefills, flight.prefix)
-        decision, ticket, chars = self._place(body, flight, p, d, size)
+        p = (None if turn is None else turn.home(prefills)) \
+            or px.router.pick_prefill(prefills, flight.prefix)
+        decision, ticket, chars = self._place(body, flight, p, d, size,
+                                              None if turn is None else turn.overrule(p, d))
         flight.placed(decision, ticket, chars)
         flight.expect((d if decision.where == "local" else p).url)
         serving = p if decision.on_prefill else d
@@ -180,12 +192,14 @@ class Entry:
                                       [b.url for b in (*prefills, *decodes)])
 
     def _place(self, body: dict[str, Any], flight: Flight, p: Backend, d: Backend,
-               size: tuple[int, int]) -> Any:
+               size: tuple[int, int],
+               overrule: Callable[[Decision], Decision] | None = None) -> Any:
         """The placement's decision, with each node's cached share of the prompt when the
         prefix index told it; the prediction counted for each node that computes the
         prompt (P alone, D alone, or both: D looks its cache up for a remote one too)."""
         px = self.proxy
-        placed = px.placement.choose(body, flight.rec.route, p, d, flight.prefix, size)
+        placed = px.placement.choose(body, flight.rec.route, p, d, flight.prefix, size,
+                                     overrule)
         decision = placed[0]
         computing: list[tuple[Backend, int]] = []
         if decision.where != "local":

@@ -85,6 +85,26 @@ def second_proxy(node: LocalNode, log_dir: Path, *args: str) -> tuple[ServicePro
         log_dir / "second-proxy.log", health_url=f"{url}/health"), url
 
 
+@contextmanager
+def proxies_in_front(node: LocalNode, tmp_path_factory: pytest.TempPathFactory,
+                     **named: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    """Second proxies (one per name, with those arguments) started in front of the node's P
+    and D: {name: url, f"{name}_log": its log}; stopped afterwards."""
+    out: dict[str, Any] = {}
+    started: list[ServiceProcess] = []
+    try:
+        for name, args in named.items():
+            svc, url = second_proxy(node, tmp_path_factory.mktemp(f"proxy-{name}"), *args)
+            svc.start()
+            started.append(svc)
+            svc.wait_healthy(60)
+            out[name], out[f"{name}_log"] = url, svc.log_path
+        yield out
+    finally:
+        for svc in started:
+            svc.stop()
+
+
 @pytest.fixture(scope="session")
 def otlp_collector() -> Iterator[Collector]:
     """The OTLP/HTTP receiver pd_node's P and D export their traces to."""

@@ -19,7 +19,7 @@ from tests.e2e.conftest import (
     log_text,
     openai_chat_stream,
     plain_request,
-    second_proxy,
+    proxies_in_front,
     text_of,
     token_prompt,
 )
@@ -35,20 +35,10 @@ MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
 @pytest.fixture(scope="module")
 def proxies(pd_node, tmp_path_factory):
     """{"never": url, "auto": url} (auto with no flag: the proxy's default)."""
-    out, started = {}, []
-    try:
-        for name, args in (("never", ("--split", "never")), ("auto", ())):
-            svc, url = second_proxy(pd_node, tmp_path_factory.mktemp(f"proxy-{name}"), *args)
-            svc.start()
-            started.append(svc)
-            svc.wait_healthy(60)
-            out[name] = url
-        _wait_seeded(out["auto"])  # its calibration of P, if any, is over before the tests
-        out["auto_log"] = started[1].log_path
+    with proxies_in_front(pd_node, tmp_path_factory, never=("--split", "never"),
+                          auto=()) as out:
+        _wait_seeded(out["auto"])  # its calibration, if any, is over before the tests
         yield out
-    finally:
-        for svc in started:
-            svc.stop()
 
 
 def _completion(i: int, stream: bool) -> dict:

@@ -20,6 +20,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from appliance.sidechannel import messages as m
+from tests.proxy import fake_responses as fr
 
 
 @dataclass
@@ -158,6 +159,7 @@ class FakeVLLM(FakeServer):
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post(fr.PATH, self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
@@ -201,11 +203,14 @@ class FakeVLLM(FakeServer):
     async def _answer(self, request: web.Request, rec: Received) -> web.StreamResponse:
         if self.hang:
             await asyncio.Event().wait()
+        responses = rec.path == fr.PATH
         if self.wait_for_kv and rec.kv:
             if rec.body.get("stream"):  # vLLM sends a stream's head before any token
                 resp = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream; charset=utf-8"})
                 await resp.prepare(request)
+                if responses:  # and a Responses stream its opening events
+                    await resp.write(fr.preamble(self.name, rec.body))
             await asyncio.Event().wait()
         if self.delay:
             await asyncio.sleep(self.delay)
@@ -215,6 +220,8 @@ class FakeVLLM(FakeServer):
                                                  "code": self.status}}
             return web.json_response(body, status=self.status)
         chat = rec.path.endswith("/chat/completions")
+        if responses:
+            return await self._respond(request, rec)
         if not rec.body.get("stream"):
             full = _full(self.name, chat, self.finish_reason, rec.body.get("max_tokens"))
             if rec.body.get("return_token_ids"):  # as vLLM: chat puts the prompt's at the top
@@ -228,11 +235,7 @@ class FakeVLLM(FakeServer):
             await asyncio.Event().wait()
         for i in range(self.chunks):
             if self.die_after is not None and i == self.die_after:
-                # Let the chunks reach the proxy first: a crash, not a lost write buffer.
-                await asyncio.sleep(0.1)
-                assert request.transport is not None
-                request.transport.abort()
-                await asyncio.sleep(0)
+                await _crash(request)
                 return resp
             last = i == self.chunks - 1
             await resp.write(_sse(_chunk(self.name, chat, i, self.finish_reason if last else None)))
@@ -243,6 +246,39 @@ class FakeVLLM(FakeServer):
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+    async def _respond(self, request: web.Request, rec: Received) -> web.StreamResponse:
+        """/v1/responses: the response object, or its events (tests.proxy.fake_responses)."""
+        if not rec.body.get("stream"):
+            return web.json_response(fr.whole(self.name, rec.body, self.finish_reason))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        await resp.write(fr.preamble(self.name, rec.body))
+        if self.hang_after_headers:
+            await asyncio.Event().wait()
+        await resp.write(fr.opening_item(self.name))
+        for i in range(self.chunks):
+            if self.die_after is not None and i == self.die_after:
+                await _crash(request)
+                return resp
+            await resp.write(fr.delta(self.name, i))
+            rec.chunks_sent += 1
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+        if not self.skip_done:
+            await resp.write(fr.closing(self.name, rec.body, self.chunks, self.finish_reason))
+        await resp.write_eof()
+        return resp
+
+
+async def _crash(request: web.Request) -> None:
+    """The connection cut mid-answer; the chunks written reach the proxy first (a crash,
+    not a lost write buffer)."""
+    await asyncio.sleep(0.1)
+    assert request.transport is not None
+    request.transport.abort()
+    await asyncio.sleep(0)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from appliance.proxy.openai_api import CHAT
+from appliance.proxy.openai_api import CHAT, RESPONSES
 
 # P's one token is thrown away: one choice is enough (n > 1 would prefill once per choice and
 # offer D the same transfer several times), and min_tokens would make it refuse max_tokens=1.
@@ -32,7 +32,14 @@ def new_transfer_id() -> str:
 def prefill_body(body: dict[str, Any], route: str, transfer_id: str) -> dict[str, Any]:
     """P computes the prompt's KV and one token, answers at once, and sends the KV to D."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
-    out["max_tokens"] = 1
+    if route == RESPONSES:
+        out["max_output_tokens"] = 1
+        # P's one-token answer is no response of the client's: not kept in P's store (vLLM
+        # never frees it), and not run in the background (the proxy waits for it).
+        out["store"] = False
+        out["background"] = False
+    else:
+        out["max_tokens"] = 1
     if route == CHAT:
         out["max_completion_tokens"] = 1
     out["stream"] = False

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from appliance.proxy.exchange.bodies import prefill_body, pull_params
-from appliance.proxy.openai_api import CHAT, text_only
+from appliance.proxy.openai_api import CHAT, RESPONSES, text_only
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -66,6 +66,8 @@ def ineligible(body: dict[str, Any], route: str) -> str | None:
     structured output, logprobs, several choices) keeps the classic split, as does any field
     this module does not know.
     """
+    if route == RESPONSES:
+        return "Responses API"  # its events are not completion chunks to continue
     if body.get("stream") is not True:
         return "not streaming"  # a whole answer gains nothing from an early first token
     known = _KNOWN_CHAT if route == CHAT else _KNOWN_COMPLETIONS

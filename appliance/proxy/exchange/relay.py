@@ -24,6 +24,7 @@ from appliance.proxy.errors import (
     upstream_error_body,
 )
 from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.sse import event_stream, token_events
 from appliance.proxy.flight import Flight
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
@@ -36,13 +37,6 @@ _encode = msgspec.json.encode
 
 # D's call asked again on D alone (after its P went down); None where it cannot be.
 Retry = Callable[[], Awaitable[Response]] | None
-
-
-def token_events(chunk: bytes) -> int:
-    """The SSE events in `chunk` that carry a token: not [DONE], a usage-only event or a
-    chat stream's opening role event (vLLM's compact JSON, and the proxy's)."""
-    return (chunk.count(b"data: ") - chunk.count(b"data: [DONE]") - chunk.count(b'"choices":[]')
-            - chunk.count(b'"delta":{"role":"assistant","content":""}'))
 
 
 class Relay:
@@ -187,23 +181,28 @@ class Relay:
         """D's stream to the client (the caller closes `upstream`; a retried one is closed
         here)."""
         rec = flight.rec
-        tail = b""
+        fmt = event_stream(rec.route)
         error: str | None = None
         # A 200 stream's head may come before vLLM's engine has the request; its first
-        # chunk comes after: from then on D's connector pulls or frees P's KV.
+        # chunk comes after (a Responses stream's opening events are held till then):
+        # from then on D's connector pulls or frees P's KV.
         kv = flight.kv if upstream.status < 300 else None
         relayed = False  # a byte of D's reached the client: D cannot be asked again
         again: Response | None = None
-        events, last = 0, 0.0  # D's SSE events and when the latest came: its step time
+        events, last = 0, 0.0  # D's step events and when the latest came: its step time
         try:
             while True:
                 try:
                     async for chunk in (again or upstream).chunks():
+                        chunk = fmt.hold(chunk)
+                        if not chunk:
+                            continue
                         if not relayed:
                             rec.decode_first_at = time.monotonic()
                         relayed = True
-                        events += chunk.count(b"data: ")
-                        last = time.monotonic()
+                        if n := fmt.steps(chunk):
+                            events += n
+                            last = time.monotonic()
                         if kv is not None:
                             kv.decode_answered()
                             kv = None
@@ -217,19 +216,20 @@ class Relay:
                         except ConnectionResetError:
                             rec.error = "client disconnected"
                             return out
-                        rec.tokens_sent(token_events(chunk), time.monotonic(), self.metrics)
-                        tail = (tail + chunk[-32:])[-32:]
-                    if rewrite is not None:
-                        rest = rewrite.flush()
-                        if rest:
-                            await out.write(rest)
-                            tail = (tail + rest[-32:])[-32:]
-                    if b"[DONE]" not in tail:
-                        error = "decode stream ended before [DONE]"
+                        rec.tokens_sent(fmt.tokens(chunk), time.monotonic(), self.metrics)
+                        fmt.seen(chunk)
+                    rest = fmt.flush() + (rewrite.flush() if rewrite is not None else b"")
+                    if rest:
+                        self._first_byte(flight)
+                        await out.write(rest)
+                        fmt.seen(rest)
+                    if not fmt.complete:
+                        error = f"decode stream ended before {fmt.end}"
                 except UpstreamError as exc:
                     if exc.kind == PREFILL_DOWN and retry is not None and not relayed:
                         # P went down while D waited for its KV: D alone, same client stream.
                         upstream.close()
+                        fmt.restart()
                         try:
                             again = await self._again(d, retry)
                         except ProxyError as failed:
@@ -245,14 +245,15 @@ class Relay:
         finally:
             if again is not None:
                 again.close()
-        if events > 3 and rec.decode_first_at is not None:  # [DONE] is an event too
-            rec.step_s = (last - rec.decode_first_at) / (events - 2)
+        if rec.decode_first_at is not None and (
+                step := fmt.step_s(rec.decode_first_at, last, events)) is not None:
+            rec.step_s = step
         if error is not None:
             # Headers are gone already; the error event is how a stream says it failed.
             self.metrics.upstream_errors.labels(d.role, d.url, "stream").inc()
             rec.error = error
             try:
-                await out.write(sse_error_event(502, error))
+                await out.write(fmt.error(502, error))
             except ConnectionResetError:
                 return out
         try:

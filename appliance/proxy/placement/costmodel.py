@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.proxy.openai_api import CHAT
+from appliance.proxy.openai_api import CHAT, RESPONSES
 
 # A sample's weight falls by this factor per later sample: about the last 20-40 count.
 FORGET = 0.95
@@ -183,15 +183,13 @@ def prompt_size(body: dict[str, Any], route: str) -> tuple[int, int]:
     """(token ids given, characters of text) of a request's prompt."""
     ids = chars = 0
     if route == CHAT:
-        for m in body.get("messages") or ():
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
-        return 0, chars
+        return 0, sum(_message_chars(m) for m in body.get("messages") or ())
+    if route == RESPONSES:
+        given = body.get("input")
+        items = [{"content": given}] if isinstance(given, str) else given or ()
+        instructions = body.get("instructions")
+        chars = len(instructions) if isinstance(instructions, str) else 0
+        return 0, chars + sum(_message_chars(m) for m in items)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return 0, len(prompt)
@@ -205,3 +203,14 @@ def prompt_size(body: dict[str, Any], route: str) -> tuple[int, int]:
             elif isinstance(p, list):
                 ids += len(p)
     return ids, chars
+
+
+def _message_chars(message: Any) -> int:
+    """The characters of a chat message's text, or of a Responses input item's."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part["text"]) for part in content
+                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return 0

@@ -52,7 +52,7 @@ from dataclasses import replace
 from typing import Any
 
 from appliance.proxy.nodes.backends import Backend
-from appliance.proxy.openai_api import CHAT
+from appliance.proxy.openai_api import CHAT, RESPONSES
 from appliance.proxy.placement.costmodel import (
     Linear,
     Mean,
@@ -88,6 +88,9 @@ HANDOFF_CLIP = 4.0
 # placement (the module's doc): one of the node's two engines' worth.
 DUPLICATE_SHARE = 0.5
 
+_TEMPLATED = (CHAT, RESPONSES)  # prompts rendered by the chat template: one tokens per char
+
+
 class Placement:
     """The measurements and the decision; the proxy asks `choose` once per request."""
 
@@ -120,7 +123,7 @@ class Placement:
     def tokens(self, body: dict[str, Any], route: str) -> tuple[int, int]:
         """(estimated prompt tokens, characters of prompt text)."""
         ids, chars = prompt_size(body, route)
-        ratio = self.tokens_per_char["chat" if route == CHAT else "completions"].ratio
+        ratio = self.tokens_per_char["chat" if route in _TEMPLATED else "completions"].ratio
         return max(1, ids + round(chars * ratio)), chars
 
     def forget(self, url: str) -> None:
@@ -211,10 +214,13 @@ class Placement:
         return short >= P_ALONE_SHARE * len(self._prompts)
 
     def choose(self, body: dict[str, Any], route: str, p: Backend, d: Backend,
-               prefix: Lookup | None = None,
-               size: tuple[int, int] | None = None) -> tuple[Decision, Ticket, int]:
+               prefix: Lookup | None = None, size: tuple[int, int] | None = None,
+               overrule: Callable[[Decision], Decision] | None = None
+               ) -> tuple[Decision, Ticket, int]:
         """The decision, the ticket of the prefill it sends (to D for local, else to P),
-        and the prompt's characters. `size`: `tokens(body, route)` when already known."""
+        and the prompt's characters. `size`: `tokens(body, route)` when already known;
+        `overrule`: the request's own limits on where it may go (one that must be served
+        whole: appliance.proxy.responses)."""
         estimate, chars = self.tokens(body, route) if size is None else size
         tokens = estimate if prefix is None else prefix.tokens
         cached_p = 0 if prefix is None else prefix.on(p.url)
@@ -222,11 +228,15 @@ class Placement:
         now = self.clock()
         expire(self._queues.values(), now)
         auto = self.split == "auto"
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        limit = (body.get("max_completion_tokens") or body.get("max_tokens")
+                 or body.get("max_output_tokens"))
         e = (self.estimates(tokens, p, d, now, cached_p, cached_d,
                             limit if isinstance(limit, int) else None) if auto
              else Estimates(tokens, None, None, 0, None))
-        decision = replace(decide(self.split, e), cached_p=cached_p, cached_d=cached_d,
+        decision = decide(self.split, e)
+        if overrule is not None:
+            decision = overrule(decision)
+        decision = replace(decision, cached_p=cached_p, cached_d=cached_d,
                            estimates=e if auto else None)
         key = (decision.where, decision.reason)
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -254,7 +264,7 @@ class Placement:
         remote stream (tokens, seconds), its node's time per streamed token and requests
         held meanwhile (their mean), its output tokens."""
         if prompt_tokens and chars:
-            self.tokens_per_char["chat" if route == CHAT else "completions"].observe(
+            self.tokens_per_char["chat" if route in _TEMPLATED else "completions"].observe(
                 chars, prompt_tokens)
         if handoff is not None:
             self.handoff.observe(*handoff, now=self.clock())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.proxy.openai_api import CHAT, text_only
+from appliance.proxy.openai_api import CHAT, RESPONSES, responses_messages, text_only
 
 # Chat fields /tokenize takes and that change the rendered prompt.
 _CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
@@ -36,6 +36,14 @@ def tokenize_body(body: dict[str, Any], route: str) -> dict[str, Any] | list[int
             return None
         out: dict[str, Any] = {"model": model, "messages": messages}
         out |= {k: body[k] for k in _CHAT_FIELDS if k in body}
+        return out
+    if route == RESPONSES:  # rendered as chat: tokenized as the messages it renders
+        rendered = responses_messages(body)
+        if rendered is None:
+            return None
+        out = {"model": model, "messages": rendered}
+        if "chat_template_kwargs" in body:
+            out["chat_template_kwargs"] = body["chat_template_kwargs"]
         return out
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
