@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,14 @@ if TYPE_CHECKING:
     from appliance.proxy.placement import Decision
 
 access_log = logging.getLogger("appliance.proxy.access")
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's X-Request-Id, when it is safe to send upstream verbatim."""
+    given = headers.get("X-Request-Id")
+    if given and len(given) <= 256 and given.isascii() and given.isprintable():
+        return given
+    return None
 
 
 @dataclass(slots=True)

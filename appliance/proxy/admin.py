@@ -25,6 +25,8 @@ import msgspec
 from aiohttp import web
 
 from appliance.httperrors import json_error
+from appliance.proxy.errors import ProxyError
+from appliance.proxy.jsonbody import decode_object
 
 if TYPE_CHECKING:
     from appliance.proxy.app import Proxy
@@ -102,11 +104,10 @@ def routes(proxy: Proxy) -> list[web.RouteDef]:
         if (answer := _refused(proxy, request)) is not None:
             return answer
         try:
-            body = msgspec.json.decode(await request.read())
-            node = body["node"]
-            if not isinstance(node, str):
-                raise TypeError
-        except (msgspec.DecodeError, KeyError, TypeError):
+            node = decode_object(await request.read()).get("node")
+        except ProxyError:
+            node = None
+        if not isinstance(node, str):
             return json_error(400, 'expected {"node": URL | "prefill" | "decode"}')
         found = proxy.backends.find(node)
         if not found:

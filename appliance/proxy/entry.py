@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance.httperrors import CLIENT_GONE, json_error
-from appliance.proxy.access import AccessRecord
+from appliance.proxy.access import AccessRecord, client_request_id
 from appliance.proxy.app import Proxy
 from appliance.proxy.errors import NodeDown, ProxyError
 from appliance.proxy.exchange import first_token
@@ -45,8 +45,8 @@ class Entry:
 
     async def generate(self, request: web.Request, route: str) -> web.StreamResponse:
         px = self.proxy
-        given = request.headers.get("X-Request-Id")
-        if given and len(given) <= 256 and given.isascii() and given.isprintable():
+        given = client_request_id(request.headers)
+        if given is not None:
             rec = AccessRecord(route, given, time.monotonic())
         else:  # absent, or not safe to send upstream verbatim
             rec = AccessRecord(route, uuid4_str(), time.monotonic(), own_request_id=True)
@@ -101,14 +101,8 @@ class Entry:
         px, rec = self.proxy, flight.rec
         if px.shutting_down:
             raise ProxyError(503, "the proxy is shutting down")
-        limit = px.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise ProxyError(413, f"request body too large (limit {limit} bytes)")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ProxyError(413, f"request body too large (limit {limit} bytes)") from None
-        body = parse_request(raw, rec.route)
+        # Received already, within body_timeout_s and max_body_bytes (appliance.proxy.intake).
+        body = parse_request(await request.read(), rec.route)
         turn = Turn.begin(body, px.homes) if rec.route == RESPONSES else None
 
         why = await px.wait_answerable()

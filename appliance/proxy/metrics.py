@@ -100,6 +100,14 @@ class _HotPath(Collector):
         yield requests
         yield GaugeMetricFamily("pd_proxy_requests_in_flight", "Generation requests being served",
                                 value=m.in_flight())
+        yield GaugeMetricFamily(
+            "pd_proxy_client_bodies_receiving",
+            "Requests whose body is still arriving (a stalled one stays up to body_timeout_s)",
+            value=m.bodies_receiving)
+        yield CounterMetricFamily(
+            "pd_proxy_client_body_timeouts",
+            "Requests whose body did not arrive within body_timeout_s: answered 408, their "
+            "connection closed", value=m.body_timeouts)
         split = CounterMetricFamily(
             "pd_proxy_split_decisions",
             "Where requests were prefilled (adaptive disaggregation), by decision (remote: "
@@ -135,6 +143,8 @@ class ProxyMetrics:
         self.request_counts: dict[tuple[str, int], int] = {}
         self.split_counts: dict[tuple[str, str], int] = {}  # the placement's, shared
         self.trace_spans: dict[str, int] | None = None  # the span exporter's, with tracing
+        self.bodies_receiving = 0  # appliance.proxy.intake's
+        self.body_timeouts = 0
         self.decode_ttfb = FastHistogram(
             "pd_proxy_decode_ttfb_seconds",
             "From the client's request to the answer's first body byte (D's, or P's token "
@@ -186,6 +196,10 @@ class ProxyMetrics:
             "Requests answered 429 because every decode node was full "
             "(max_in_flight_per_decode), by reason: queue_full, queue_timeout", ["reason"],
             registry=r)
+        self.passthrough = Counter(
+            "pd_proxy_passthrough_requests",
+            "Requests a decode node answered as it does (/tokenize, /detokenize, /version, "
+            "/v1/models), by route and status", ["route", "status"], registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors",
                                        "Failed upstream requests by backend and kind",
                                        ["role", "backend", "kind"], registry=r)

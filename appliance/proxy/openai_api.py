@@ -3,7 +3,7 @@ chat message that is text alone, and what the proxy reads of an answer (the firs
 `finish_reason`, or a Responses answer's `status`; the usage).
 
 The bottom of the proxy: the split (`exchange`), placement, the prefix index and the entry
-(`app`) build on it, and it imports nothing of the proxy but `errors`.
+(`app`) build on it, and it imports nothing of the proxy but `errors` and `jsonbody`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from appliance.proxy.errors import ProxyError
+from appliance.proxy.jsonbody import decode_object
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -21,12 +22,7 @@ RESPONSES = "/v1/responses"  # the Responses API: appliance.proxy.responses
 
 def parse_request(raw: bytes, route: str) -> dict[str, Any]:
     """Decode and check a client body; a ProxyError(400) means nothing goes upstream."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise ProxyError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProxyError(400, "request body must be a JSON object")
+    body = decode_object(raw)
     if route == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -1,22 +1,22 @@
 """The proxy as an aiohttp application: its routes and middlewares, the ops endpoints
-(/v1/models, /health, /ready, /status, /metrics), and `serve()` for tests and benchmarks.
-Each request goes to `appliance.proxy.app.Proxy`, its exchange to
-`appliance.proxy.exchange`."""
+(/health, /ready, /status, /metrics), and `serve()` for tests and benchmarks. Each
+generation request goes to `appliance.proxy.app.Proxy`, its exchange to
+`appliance.proxy.exchange`; /tokenize, /detokenize, /version and /v1/models to a D as they
+are (`appliance.proxy.passthrough`)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
 from appliance.httperrors import MAX_BODY_BYTES, error_body, json_error, json_errors_middleware
-from appliance.proxy import admin
+from appliance.proxy import admin, passthrough
 from appliance.proxy.app import COMPLETIONS_ROUTES, Proxy
 from appliance.proxy.entry import Entry
-from appliance.proxy.errors import ProxyError, proxy_errors_middleware
+from appliance.proxy.errors import proxy_errors_middleware
+from appliance.proxy.intake import body_middleware
 from appliance.proxy.settings import ProxySettings
 
 _encode = msgspec.json.encode
@@ -24,21 +24,6 @@ PROXY = web.AppKey("proxy", Proxy)
 
 
 def ops_routes(proxy: Proxy) -> list[web.RouteDef]:
-    async def models(request: web.Request) -> web.Response:
-        decodes = proxy.backends.ready_decode()
-        if not decodes:
-            raise ProxyError(503, "no decode node is healthy")
-        d = proxy.router.pick_decode(decodes)
-        assert proxy.session is not None
-        try:
-            async with proxy.session.get(f"{d.url}/v1/models", headers=proxy.base_headers,
-                                         timeout=proxy.models_timeout) as resp:
-                raw = await resp.read()
-                return web.Response(status=resp.status, body=raw, headers={
-                    "Content-Type": resp.headers.get("Content-Type", "application/json")})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise ProxyError(502, f"decode node {d.url}: {_describe(exc)}") from None
-
     async def health(request: web.Request) -> web.Response:
         reason = proxy.backends.not_ready_reason()
         body = {
@@ -74,7 +59,7 @@ def ops_routes(proxy: Proxy) -> list[web.RouteDef]:
         return web.Response(body=proxy.metrics.render(),
                             headers={"Content-Type": proxy.metrics.content_type})
 
-    return [web.get("/v1/models", models), web.get("/health", health),
+    return [web.get("/health", health),
             web.get("/ready", ready), web.get("/status", status), web.get("/metrics", metrics)]
 
 
@@ -95,6 +80,8 @@ def build_app(settings: ProxySettings) -> web.Application:
     middlewares = [json_errors_middleware, proxy_errors_middleware]
     if settings.api_keys:
         middlewares.append(_auth_middleware(proxy))
+    middlewares.append(body_middleware(settings.body_timeout_s, settings.max_body_bytes,
+                                       proxy.metrics))
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[PROXY] = proxy
@@ -105,6 +92,7 @@ def build_app(settings: ProxySettings) -> web.Application:
     for route in COMPLETIONS_ROUTES:
         app.router.add_post(route, entry.handler(route))
     app.router.add_routes(ops_routes(proxy))
+    app.router.add_routes(passthrough.routes(proxy))
     return app
 
 
@@ -134,9 +122,3 @@ async def serve(settings: ProxySettings) -> RunningProxy:
     host, port = sock.getsockname()[:2]
     host = "127.0.0.1" if host == "0.0.0.0" else host
     return RunningProxy(runner, f"{'https' if tls else 'http'}://{host}:{port}")
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

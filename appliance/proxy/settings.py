@@ -108,6 +108,10 @@ class ProxySettings(BaseModel):
     upstream_deadline_s: Annotated[float, Flag(TIMEOUTS)] = Field(
         1800.0, gt=0, description="the longest any one call to P or D may take, a whole "
                                   "stream included")
+    # From the request's head to its body's last byte: max_body_bytes (4 MiB) arrives in it
+    # at 1.1 Mbit/s. Past it a 408, and the connection is closed (appliance.proxy.intake).
+    body_timeout_s: Annotated[float, Flag(TIMEOUTS)] = Field(
+        30.0, gt=0, description="the longest a client may take to send its request body")
     # A rollout's handover, a node back from a failed check.
     node_wait_s: Annotated[float, Flag(TIMEOUTS)] = Field(
         5.0, ge=0, description="how long a request waits for a node in rotation (a decode "

@@ -163,6 +163,9 @@ class FakeVLLM(FakeServer):
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._tokenize)
+        app.router.add_get("/version", self._tokenize)
         return app
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -187,6 +190,34 @@ class FakeVLLM(FakeServer):
         return web.json_response({"object": "list", "data": [
             {"id": "tiny", "object": "model", "owned_by": self.name,
              "max_model_len": self.max_model_len}]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """/tokenize (one id per word), /detokenize, /version; recorded, switched by
+        `hang`, `delay` and `status` as the generation routes are."""
+        body = await request.json() if request.can_read_body else {}
+        rec = Received(request.path, request.headers.copy(), body)
+        self.received.append(rec)
+        self.arrived.set()
+        try:
+            if self.hang:
+                await asyncio.Event().wait()
+            await asyncio.sleep(self.delay)
+            if self.status >= 400:
+                return web.json_response(self.error_body or {"error": {
+                    "message": f"{self.name} says no", "type": "BadRequestError",
+                    "code": self.status}}, status=self.status)
+            if request.path == "/version":
+                return web.json_response({"version": f"fake-{self.name}"})
+            if request.path == "/detokenize":
+                return web.json_response({"prompt": " ".join(f"w{t}" for t in body["tokens"])})
+            ids = list(range(len(body.get("prompt", "").split())))
+            return web.json_response({"count": len(ids), "max_model_len": self.max_model_len,
+                                      "tokens": ids, "token_strs": None})
+        except asyncio.CancelledError:
+            rec.cancelled = True
+            raise
+        finally:
+            rec.finished.set()
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         rec = Received(request.path, request.headers.copy(), await request.json())
