@@ -24,8 +24,9 @@ from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.bodies import uuid4_str
 from appliance.proxy.flight import Flight
 from appliance.proxy.nodes.backends import Backend, PrefillBackend
-from appliance.proxy.openai_api import RESPONSES, parse_request
+from appliance.proxy.openai_api import RESPONSES, parse_request, seeded_sampling
 from appliance.proxy.placement import Decision
+from appliance.proxy.placement.rule import serve_whole
 from appliance.proxy.prefix.cache import Lookup
 from appliance.proxy.responses import Turn
 
@@ -152,7 +153,7 @@ class Entry:
         p = (None if turn is None else turn.home(prefills)) \
             or px.router.pick_prefill(prefills, flight.prefix)
         decision, ticket, chars = self._place(body, flight, p, d, size,
-                                              None if turn is None else turn.overrule(p, d))
+                                              self._overrule(body, turn, p, d))
         flight.placed(decision, ticket, chars)
         flight.expect((d if decision.where == "local" else p).url)
         serving = p if decision.on_prefill else d
@@ -184,6 +185,15 @@ class Entry:
         ask = min(decodes, key=lambda b: (b.in_flight, b.decodes))
         return await px.prefix.lookup(body, route, estimate, ask.url,
                                       [b.url for b in (*prefills, *decodes)])
+
+    @staticmethod
+    def _overrule(body: dict[str, Any], turn: Turn | None, p: PrefillBackend,
+                  d: Backend) -> Callable[[Decision], Decision] | None:
+        """What placement must respect: a Responses request's own limits; a seeded sampled
+        request served whole, so its random stream is one engine's, as on a plain server."""
+        if turn is not None:
+            return turn.overrule(p, d)
+        return serve_whole("seeded") if seeded_sampling(body) else None
 
     def _place(self, body: dict[str, Any], flight: Flight, p: Backend, d: Backend,
                size: tuple[int, int],

@@ -42,6 +42,16 @@ def parse_request(raw: bytes, route: str) -> dict[str, Any]:
     return body
 
 
+def seeded_sampling(body: dict[str, Any]) -> bool:
+    """A request that samples with its own seed: vLLM seeds one random stream per request,
+    which a split would restart on D after P drew the first token, so its text would not be
+    a plain server's. Greedy (temperature 0) is exact either way."""
+    seed, temperature = body.get("seed"), body.get("temperature")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return False
+    return not isinstance(temperature, (int, float)) or temperature > 0
+
+
 def text_only(message: Any) -> bool:
     """A chat message whose content is text alone (a string or text parts)."""
     if not isinstance(message, dict):

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from appliance.proxy.access import AccessRecord
 from appliance.proxy.nodes.backends import Backend, PrefillBackend
-from appliance.proxy.placement.rule import Decision, Where
+from appliance.proxy.placement.rule import Decision, Where, serve_whole
 
 B = TypeVar("B", bound=Backend)
 
@@ -124,14 +124,7 @@ class Turn:
             reason = "dp_ranks"
         else:
             return None
-
-        def whole(decision: Decision) -> Decision:
-            if where is not None:
-                return Decision(where, reason, decision.tokens)
-            if decision.where == "remote":  # P alone only where the policy prefers it
-                return Decision("local", reason, decision.tokens)
-            return decision
-        return whole
+        return serve_whole(reason, where)
 
     def answered(self, status: int, rec: AccessRecord) -> None:
         """The response is stored, if at all, on the node that decoded it."""

@@ -4,6 +4,7 @@ rule itself; the tests and the benchmark read it as written here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -141,3 +142,16 @@ def chunked(tokens: int, chunk: int | None) -> tuple[int, int]:
     if chunk is None or tokens <= chunk:
         return tokens, 1
     return chunk, -(-tokens // chunk)
+
+
+def serve_whole(reason: str, where: Where | None = None) -> Callable[[Decision], Decision]:
+    """An overrule for a request one node must serve whole (`reason` on the access line):
+    at `where`, else D alone where the policy would split it (P alone only where the policy
+    prefers it)."""
+    def whole(decision: Decision) -> Decision:
+        if where is not None:
+            return Decision(where, reason, decision.tokens)
+        if decision.where == "remote":
+            return Decision("local", reason, decision.tokens)
+        return decision
+    return whole
