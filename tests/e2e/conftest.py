@@ -105,6 +105,16 @@ def proxies_in_front(node: LocalNode, tmp_path_factory: pytest.TempPathFactory,
             svc.stop()
 
 
+@pytest.fixture(scope="module")
+def split_proxies(pd_node, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A proxy per split in front of pd_node's P and D: {"always": the node's own,
+    "never": url, "auto": url (the proxy's default)}."""
+    with proxies_in_front(pd_node, tmp_path_factory, never=("--split", "never"),
+                          auto=()) as out:
+        out["always"] = pd_node.spec.proxy_url
+        yield out
+
+
 @pytest.fixture(scope="session")
 def otlp_collector() -> Iterator[Collector]:
     """The OTLP/HTTP receiver pd_node's P and D export their traces to."""

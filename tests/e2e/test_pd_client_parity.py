@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import proxies_in_front, token_prompt
+from tests.e2e.conftest import token_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -66,15 +66,6 @@ CASES = ([(name, "/v1/completions", body) for name, body in COMPLETIONS]
 VOLATILE = {"id", "created", "system_fingerprint"}
 
 
-@pytest.fixture(scope="module")
-def proxies(pd_node, tmp_path_factory):
-    """{"always": the node's own proxy, "never": url, "auto": url}."""
-    with proxies_in_front(pd_node, tmp_path_factory, never=("--split", "never"),
-                          auto=()) as out:
-        out["always"] = pd_node.spec.proxy_url
-        yield out
-
-
 def _said(value: Any) -> Any:
     """The answer less what names it (its ids and times, at any depth)."""
     if isinstance(value, dict):
@@ -99,8 +90,8 @@ async def _answer(base: str, path: str, body: dict) -> tuple[int, Any]:
 
 
 @pytest.mark.parametrize("name,path,part", CASES, ids=[c[0] for c in CASES])
-async def test_each_kind_of_request_answers_as_a_plain_server(plain_server, proxies, name,
-                                                              path, part):
+async def test_each_kind_of_request_answers_as_a_plain_server(
+        plain_server, split_proxies, name, path, part):
     for stream in (False, True):
         body = {"model": "tiny", "max_tokens": 8, "temperature": 0, **part, "stream": stream}
         if stream:
@@ -109,7 +100,7 @@ async def test_each_kind_of_request_answers_as_a_plain_server(plain_server, prox
             continue  # vLLM refuses these streamed; the JSON case covers them
         expected = await _answer(plain_server, path, body)
         for split in ("always", "never", "auto"):
-            got = await _answer(proxies[split], path, body)
+            got = await _answer(split_proxies[split], path, body)
             if expected[0] != 200:  # refused: the same status and message
                 assert got[0] == expected[0], (name, split, stream, got)
                 assert _message(got[1]) == _message(expected[1]), (name, split, stream)

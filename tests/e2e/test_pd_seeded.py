@@ -10,18 +10,9 @@ import json
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import proxies_in_front, token_prompt
+from tests.e2e.conftest import token_prompt
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def proxies(pd_node, tmp_path_factory):
-    """{"always": the node's own proxy, "never": url, "auto": url}."""
-    with proxies_in_front(pd_node, tmp_path_factory, never=("--split", "never"),
-                          auto=()) as out:
-        out["always"] = pd_node.spec.proxy_url
-        yield out
 
 
 async def _choices(base: str, path: str, body: dict) -> list[str]:
@@ -52,7 +43,7 @@ CASES = [
 
 @pytest.mark.parametrize("path,request_part", CASES)
 async def test_seeded_sampling_equals_a_plain_server_under_every_split(
-        plain_server, proxies, path, request_part):
+        plain_server, split_proxies, path, request_part):
     for stream in (False, True):
         for n in (1, 2):
             body = {"model": "tiny", **request_part, "max_tokens": 12, "temperature": 0.9,
@@ -60,5 +51,5 @@ async def test_seeded_sampling_equals_a_plain_server_under_every_split(
             expected = await _choices(plain_server, path, body)
             assert len(expected) == n and any(expected)
             for split in ("always", "never", "auto"):
-                got = await _choices(proxies[split], path, body)
+                got = await _choices(split_proxies[split], path, body)
                 assert got == expected, (split, stream, n)
