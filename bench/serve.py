@@ -22,8 +22,9 @@ shared ones would see each prompt twice, a prefix-cache hit); the plain server h
 CPUs. All are up at once and take turns, round by round (each round its own prompts); an
 idle server's workers stop polling a second after their last step, so the turns do not
 overlap. Before the first round each setup serves a quarter of the workload on prompts of
-its own (not counted): a node in service has measured itself long before, and a run this
-short would otherwise weigh auto's first, unmeasured decisions as a fifth of its requests.
+its own (not counted): a node in service has measured itself long before (a fresh proxy
+only times P at start), and a run this short would otherwise weigh auto's first decisions
+as a fifth of its requests.
 Ratios are setup / plain, and auto / always. With --one-core, a plain server on one CPU
 takes its turns too, given half the clients (concurrency, arrival rate, conversations):
 twice its rate over the plain server's is what P and D (one CPU each) could reach at best
@@ -201,7 +202,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a quarter of the prompts")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="measure from the first request (auto still unmeasured)")
+                        help="measure from the first request (auto timed only by its start-up "
+                             "calibration)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-serve"))
     parser.add_argument("--one-core", action="store_true",
                         help="also a plain server on one CPU given half the clients: twice its "
