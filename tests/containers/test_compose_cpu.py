@@ -32,7 +32,7 @@ from appliance.process import (
 from tests import netlisten
 from tests.conftest import free_port
 from tests.containers.engine import DockerEngine, build_images
-from tests.e2e.observe import metric, remote_decisions
+from tests.e2e.observe import calibrated, metric, received_for_each_remote, remote_decisions
 
 try:
     import tomllib
@@ -156,21 +156,10 @@ def test_up_reports_every_container_healthy_with_timings(engine, node):
         assert svc["healthy"], svc
 
 
-def _calibrated(proxy: str, within_s: float = 120.0) -> dict:
-    """The proxy's split status once auto's start-up calibration (prefills on P, each
-    pulled by D) has timed the handoff."""
-    deadline = time.monotonic() + within_s
-    while True:
-        split = httpx.get(proxy + "/status", timeout=10).json()["split"]
-        if split["handoff"]["samples"] or time.monotonic() > deadline:
-            return split
-        time.sleep(0.5)
-
-
 def test_greedy_output_through_containers_equals_a_plain_server(engine, node, expected):
     # The default split is auto, timed at start on the fresh node through the whole
     # split: P's KV reached D between the containers before any client asked.
-    assert _calibrated(node["proxy"])["handoff"]["samples"] >= 1
+    assert calibrated(node["proxy"])["handoff"]["samples"] >= 1
     before = status(engine, node)["counters"].get("decode.received", 0)
     assert before >= 4
     remote = remote_decisions(node["proxy"])
@@ -337,20 +326,17 @@ def test_a_cluster_brought_up_host_by_host(engine, cluster_hosts, expected):
     """P's host runs bootstrap-0 and prefill-0, D's host decode-0 and the proxy; greedy
     output through them equals a plain server's, and each host's status names its own."""
     p_conf, d_conf = cluster_hosts["configs"]
-    before = metric("http://127.0.0.3:8020", "vllm:pd_kv_received_total")
+    # The default split is auto, timed at start through the whole split: P's KV crossed
+    # from P's host to D's before any client asked.
+    decode = "http://127.0.0.3:8020"
+    assert calibrated(cluster_hosts["proxy"])["handoff"]["samples"] >= 1
+    before = metric(decode, "vllm:pd_kv_received_total")
+    assert before >= 4
     remote = remote_decisions(cluster_hosts["proxy"])
     got = [answer(cluster_hosts["proxy"], path, body) for path, body in requests_to_check()]
     assert got == expected
-    # The default split is auto: the proxy's first request goes to P (nothing measured
-    # yet); each one it placed remote brought P's KV to D.
-    remote = remote_decisions(cluster_hosts["proxy"]) - remote
-    assert remote >= 1
-    deadline = time.monotonic() + 10  # D's stats reach /metrics with its next step
-    while metric("http://127.0.0.3:8020", "vllm:pd_kv_received_total") - before < remote:
-        # D recomputes what it did not receive (kv_load_failure_policy): exact output alone
-        # does not show the KV moved
-        assert time.monotonic() < deadline, "D did not receive P's KV for every remote one"
-        time.sleep(0.2)
+    # Each request the proxy then placed remote brought P's KV to D.
+    received_for_each_remote(decode, before, remote_decisions(cluster_hosts["proxy"]) - remote)
     for config, members in ((p_conf, ["p/prefill-0", "p/bootstrap"]),
                             (d_conf, ["d/decode-0", "d/proxy"])):
         res = pdctl(engine, "status", "--config", str(config), "--json", timeout=60)

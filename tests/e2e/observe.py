@@ -5,6 +5,7 @@ P's KV for a request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import urllib.request
 
@@ -30,6 +31,30 @@ def metric(base: str, series: str) -> float:
 def remote_decisions(proxy: str) -> float:
     """Requests the proxy at `proxy` placed remote (P prefills, D pulls its KV)."""
     return metric(proxy, 'pd_proxy_split_decisions_total{decision="remote"}')
+
+
+def calibrated(proxy: str, within_s: float = 120.0) -> dict:
+    """The proxy's split status once auto's start-up calibration (prefills on P, each
+    pulled by D) has timed the handoff, or as it stands after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        with urllib.request.urlopen(proxy + "/status", timeout=10) as r:
+            split = json.loads(r.read())["split"]
+        if split["handoff"]["samples"] or time.monotonic() > deadline:
+            return split
+        time.sleep(0.5)
+
+
+def received_for_each_remote(decode: str, before: float, remote: float,
+                             within_s: float = 10.0) -> None:
+    """Until D's vllm:pd_kv_received_total has grown by `remote` since `before`: D
+    recomputes what it does not receive (kv_load_failure_policy), so exact output alone
+    does not show the KV moved. D's stats reach /metrics with its next step."""
+    deadline = time.monotonic() + within_s
+    while (got := metric(decode, "vllm:pd_kv_received_total") - before) < remote:
+        assert time.monotonic() < deadline, f"D received P's KV {got} times, {remote} remote"
+        time.sleep(0.2)
+    assert got == remote, f"D received P's KV {got} times, {remote} remote"
 
 
 def kv_usage(base: str) -> float:

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from tests.containers.test_compose_cpu import answer, requests_to_check
-from tests.e2e.observe import metric, remote_decisions
+from tests.e2e.observe import calibrated, metric, received_for_each_remote, remote_decisions
 from tests.k8s.conftest import (
     NS,
     RELEASE,
@@ -87,12 +87,13 @@ def test_greedy_output_through_the_proxy_service_equals_a_plain_server(cluster, 
     proxy = f"http://127.0.0.1:{node.forward(svc['spec']['clusterIP'], port)}"
     decode = f"http://127.0.0.1:{node.forward(installed['decode']['status']['podIP'], 8020)}"
     until("the proxy's Service answering", lambda: http_get(proxy + "/ready") is not None, 60)
+    # The chart's split is auto, timed at start through the whole split: P's KV crossed
+    # between the pods before any client asked.
+    assert calibrated(proxy)["handoff"]["samples"] >= 1
     before = metric(decode, "vllm:pd_kv_received_total")
+    assert before >= 4
     remote = remote_decisions(proxy)
     got = [answer(proxy, path, body) for path, body in requests_to_check()]
     assert got == expected
-    # The chart's split is auto: its first request goes to P (nothing measured yet); D
-    # used P's KV for each one the proxy placed remote.
-    remote = remote_decisions(proxy) - remote
-    assert remote >= 1
-    assert metric(decode, "vllm:pd_kv_received_total") - before == remote
+    # D used P's KV for each request the proxy then placed remote.
+    received_for_each_remote(decode, before, remote_decisions(proxy) - remote)
