@@ -5,7 +5,9 @@ tokens and a turn's prefix is exactly the last turn's prompt and answer: what pr
 caching, and a D that keeps the KV it received, can save.
 
 Results use `vllm bench serve`'s keys (turns count as requests; TPOT and ITL from the
-streamed tokens' arrival times).
+streamed tokens' arrival times). `run` keeps a fixed number of conversations in flight;
+`run_open` starts them at Poisson arrivals and returns each turn's numbers as
+`vllm bench serve --save-detailed` does (bench/goodput.py).
 """
 
 from __future__ import annotations
@@ -92,3 +94,49 @@ def run(url: str, model: str, seed: int, conversations: int = 8, turns: int = 4,
             else float("nan")
         result[f"p99_{metric}_ms"] = _pct(values, 0.99) * 1000
     return result
+
+
+async def _open_conversation(http: aiohttp.ClientSession, url: str, model: str, seed: int,
+                             delay: float, turns: int, out: dict[str, list]) -> None:
+    await asyncio.sleep(delay)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 2000) for _ in range(FIRST)]
+    for _ in range(turns):
+        try:
+            ttft, gaps, answer = await _turn(http, url, model, prompt)
+        except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as e:
+            # The conversation ends here; its remaining turns count as failed too.
+            out["ttfts"] += [0.0] * turns
+            out["itls"] += [[]] * turns
+            out["errors"] += [f"{type(e).__name__}: {e}"[:200]] * turns
+            return
+        out["ttfts"].append(ttft)
+        out["itls"].append(gaps)
+        out["errors"].append("")
+        turns -= 1
+        prompt = prompt + answer + [rng.randrange(3, 2000) for _ in range(EACH)]
+
+
+def run_open(url: str, model: str, seed: int, rate: float, conversations: int,
+             turns: int = 4) -> dict:
+    """Conversations arriving as a Poisson process of `rate` turns per second in all (one
+    conversation every turns/rate seconds on average), each turn sent when the last one's
+    answer ended: {"ttfts", "itls", "errors", "completed", "request_throughput"}."""
+    arrivals, t, rng = [], 0.0, random.Random(seed)
+    for _ in range(conversations):
+        arrivals.append(t)
+        t += rng.expovariate(rate / turns)
+    out: dict[str, list] = {"ttfts": [], "itls": [], "errors": []}
+
+    async def main() -> float:
+        timeout = aiohttp.ClientTimeout(total=1800)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            started = time.monotonic()
+            await asyncio.gather(*(_open_conversation(http, url, model, seed * 100 + c, delay,
+                                                      turns, out)
+                                   for c, delay in enumerate(arrivals)))
+            return time.monotonic() - started
+
+    took = asyncio.run(main())
+    completed = sum(1 for e in out["errors"] if not e)
+    return {**out, "completed": completed, "request_throughput": completed / took}

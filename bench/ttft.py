@@ -134,7 +134,8 @@ def ours_setup(model: Path, log_dir: Path, early_push: bool = True,
                           health_url=f"http://127.0.0.1:{bport}/health")
 
     def cfg(role: str, engine: str) -> dict:
-        return {"kv_connector": "PDConnector", "kv_connector_module_path": "appliance.connector.facade",
+        return {"kv_connector": "PDConnector",
+                "kv_connector_module_path": "appliance.connector.facade",
                 "kv_role": role, "engine_id": engine, "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"bootstrap_addr": f"http://127.0.0.1:{bport}",
                                               "protocol": "tcp", "host": "127.0.0.1",
