@@ -20,6 +20,7 @@ from appliance.proxy.exchange.relay import Relay
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
+from appliance.proxy.nodes.engineload import LoadPoller
 from appliance.proxy.nodes.health import HealthPoller
 from appliance.proxy.openai_api import CHAT, COMPLETIONS, RESPONSES
 from appliance.proxy.ownership.kv import PrefillKV
@@ -58,6 +59,7 @@ class Proxy:
         self.router = Router(settings.policy)
         self.session: aiohttp.ClientSession | None = None
         self.poller: HealthPoller | None = None
+        self.load: LoadPoller | None = None  # the engines' own counts, for auto
         self.discovery: KubernetesDiscovery | None = None
         self._seeding: asyncio.Task[str] | None = None  # auto's first measurements
         self.prefix: PrefixCache | None = None  # the prefix index: auto or cache-aware routing
@@ -132,6 +134,11 @@ class Proxy:
                           self.settings.deadlines.recv_ms(after_prefill=True))
             self._seeding = asyncio.create_task(seed(
                 self.placement.prefill, self.placement.handoff, nodes, self.settings.calibrate))
+            if self.settings.engine_load_interval_s > 0:
+                self.load = LoadPoller(self.backends, self.session, self.base_headers,
+                                       self.settings.engine_load_interval_s,
+                                       self.settings.health_timeout_s)
+                self.load.start()
         if self.settings.discovery == "kubernetes":
             # Nodes come and go with the pods; the poller checks each new one at once.
             self.discovery = KubernetesDiscovery(self.settings.kubernetes,
@@ -146,6 +153,8 @@ class Proxy:
             await self.discovery.stop()
         if self.poller is not None:
             await self.poller.stop()
+        if self.load is not None:
+            await self.load.stop()
         if self.prefix is not None:
             await self.prefix.stop()
         if self.session is not None:

@@ -151,6 +151,10 @@ class ProxySettings(BaseModel):
         True, description="auto: when P's metrics show no prefill yet, time a few short "
                           "prompts at start, prefilled on P and pulled by D, so the first "
                           "requests are placed by measurement; P's history is read either way")
+    # Other proxies in front of the same engines (appliance.proxy.nodes.engineload).
+    engine_load_interval_s: Annotated[float, Flag(PLACEMENT)] = Field(
+        1.0, ge=0, description="auto: how often each engine's own request gauges are read, "
+                               "so work other proxies sent it counts (0: this proxy's alone)")
     fallback_to_decode: Annotated[bool, Flag(PLACEMENT, name="fallback")] = Field(
         True, description="serve by D alone when P is unreachable or times out, instead of a 503")
     # This appliance's connector sends the KV whatever the finish reason, so D is left

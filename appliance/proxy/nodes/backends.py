@@ -38,6 +38,10 @@ class Backend:
     # Of those, the ones whose prompt is not computed yet (in P's queue or this node's):
     # a prefill run now stalls no step of theirs (appliance.proxy.placement.Ticket).
     prefilling: int = 0
+    # What the engine waits on and runs beyond this proxy's requests (other proxies',
+    # direct callers), from its own gauges (appliance.proxy.nodes.engineload).
+    others_waiting: int = 0
+    others_running: int = 0
     # Round-robin tie breaker for least-outstanding: how many requests this node was given.
     picked: int = 0
     # A decode node's context length (from /v1/models; None until known): a continuation
@@ -80,6 +84,7 @@ class Backend:
             "prefill_tokens": self.prefill_tokens,
             "decodes": self.decodes,
             "prefilling": self.prefilling,
+            "others": {"waiting": self.others_waiting, "running": self.others_running},
             "last_error": self.last_error,
             "last_check_age_s": None if self.last_check is None
             else round(now - self.last_check, 3),

@@ -21,7 +21,10 @@ budgets; a P that is asked for long prefills decodes nothing, so they stall no o
   /tokenize), less what that node's cache holds; else characters times the tokens per
   character the engines' usage counts showed, none cached;
 - the prefill work already sent to P and to D and not done yet (tokens), so a backed-up P
-  sends new requests to D, and a D busy prefilling sends them to P;
+  sends new requests to D, and a D busy prefilling sends them to P; with what each engine
+  waits on and runs beyond this proxy's own requests (appliance.proxy.nodes.engineload:
+  other proxies in front of the same engines), a request waiting counted as a prompt of
+  the recent mean size, one running as a decode;
 - prefill seconds as one line in (work ahead in the node's queue + own tokens), fitted
   from P's answer times and D's first tokens on local streams: P and D run one model, so
   their samples are pooled, and what tells them apart is the work queued on each (two
@@ -111,6 +114,7 @@ class Placement:
         self.steps = StepTimes()
         self.step_line = Linear()  # seconds per streamed token against the node's requests
         self.output = Mean()  # recent requests' output tokens
+        self.work = Mean()  # recent prompts' tokens computed (what another's waiting costs)
         self.tokens_per_char = {route: TokensPerChar() for route in ("chat", "completions")}
         self.counts: dict[tuple[str, str], int] = {}
         self._recent = Recent()
@@ -136,6 +140,11 @@ class Placement:
         base = self.steps.base()
         return None if base is None else ITL_BUDGET_STEPS * base
 
+    def _queued(self, b: Backend) -> int:
+        """Prefill tokens sent to `b` and not done: this proxy's tickets, and the requests
+        the engine waits on beyond those (each a prompt of the recent mean size)."""
+        return b.prefill_tokens + round(b.others_waiting * (self.work.value or 0.0))
+
     def _waited(self, b: Backend, now: float) -> float:
         """How long the oldest prefill not done on `b` has waited: a request sent now ends
         after it (a frozen P's grows until it is found down)."""
@@ -147,7 +156,7 @@ class Placement:
         """`tokens`: the prompt's; `cached_*`: those each node's prefix cache holds;
         `max_out`: the request's output token limit."""
         on_p, on_d = tokens - cached_p, tokens - cached_d
-        p_line = self.prefill.predict(p.prefill_tokens + on_p)
+        p_line = self.prefill.predict(self._queued(p) + on_p)
         alone = remote = None  # P's first token; that plus the handoff
         if p_line is not None:
             alone = max(p_line, self._waited(p, now))
@@ -155,18 +164,21 @@ class Placement:
             # Only the blocks D lacks move.
             self.handoff.age(now)
             remote = alone + (self.handoff.predict(on_d) or 0.0)
-        d_line = self.prefill.predict(d.prefill_tokens + on_d)
+        d_line = self.prefill.predict(self._queued(d) + on_d)
         local = None if d_line is None else max(d_line, self._waited(d, now))
         # D's decodes, and the remote requests whose KV reaches D while a local prefill
         # would still run there: those decode, stalled, from P's answer on.
-        running = d.decoding + (0 if local is None else self._arriving(d, now + local))
+        # Another's running requests decode there (or finish a prefill: stalled alike).
+        p_decoding, d_decoding = p.decoding + p.others_running, d.decoding + d.others_running
+        running = d_decoding + (0 if local is None else self._arriving(d, now + local))
         budget = self.itl_budget_s()
         fit = budget is not None and self._p_prefills_fit(on_p, P_ALONE_FIT * budget,
-                                                          p.decoding == 0)
+                                                          p_decoding == 0)
         step_tokens, chunks = chunked(on_d, self.decode_chunk)
-        return Estimates(tokens, remote, local, running, budget, alone, p.decoding, fit,
+        return Estimates(tokens, remote, local, running, budget, alone, p_decoding, fit,
                          self._compute(step_tokens), self._compute(on_p),
-                         self.prefill_deadline_s, p.decodes, d.decodes,
+                         self.prefill_deadline_s, p.decodes + p.others_running,
+                         d.decodes + d.others_running,
                          self._duplicate(cached_d - cached_p),
                          self._duplicate(cached_p - cached_d),
                          self._decode_per_request(max_out), chunks)
@@ -244,12 +256,14 @@ class Placement:
         node, cached = (d, cached_d) if decision.where == "local" else (p, cached_p)
         queue = self._queues.setdefault(node.url, {})
         work = tokens - cached
+        self.work.observe(work)
         self._prompts.append(work if node is p else 0)
         serving = p if decision.where == "p_alone" else d
         marks = decision.where == "remote" or body.get("stream") is True
-        ticket = Ticket(node, self.prefill, work, cached, node.prefill_tokens, now, queue,
+        ahead = self._queued(node)
+        ticket = Ticket(node, self.prefill, work, cached, ahead, now, queue,
                         serving if marks else None)
-        if not marks and (line := self.prefill.predict(node.prefill_tokens + work)) is not None:
+        if not marks and (line := self.prefill.predict(ahead + work)) is not None:
             ticket.due = now + line  # a whole local or P-alone answer
         queue[ticket] = None
         node.prefill_tokens += work

@@ -1,0 +1,108 @@
+"""What each engine runs and queues beyond this proxy's own requests, from the engine's own
+/metrics (vLLM's scheduler gauges), so that `auto` weighs work other proxies sent to the
+same engines (the chart runs two) or clients sent them directly.
+
+The proxy knows its own requests exactly (Backend.in_flight, its placement tickets); the
+engine knows all of them. What the engine holds beyond the proxy's in-flight count is
+someone else's: its waiting part counts as prefills queued there, its running part as
+decodes there (appliance.proxy.placement.decision). The gauges are read every
+`engine_load_interval_s`; each reading is taken as the smaller of it and the one before, so
+a request the proxy has just seen end, and the engine counts until its next step, is not
+taken for another proxy's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from appliance.proxy.nodes.backends import Backend, Backends
+
+log = logging.getLogger("appliance.proxy.nodes.engineload")
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+
+
+def engine_counts(text: str) -> tuple[int, int] | None:
+    """(running, waiting) summed over the engine's series (one per engine of a data-parallel
+    server); None when the text has neither gauge. Two names among some hundred lines: a
+    scan, not a full exposition parse, since it runs every interval for every node."""
+    sums = {RUNNING: 0.0, WAITING: 0.0}
+    seen = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:num_requests_"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name not in sums:
+            continue
+        try:  # vLLM writes no timestamp: the value is the line's last field
+            sums[name] += float(line.rsplit(None, 1)[1])
+        except (ValueError, IndexError):
+            continue
+        seen = True
+    return (round(sums[RUNNING]), round(sums[WAITING])) if seen else None
+
+
+def others(running: int, waiting: int, own: int) -> tuple[int, int]:
+    """(waiting, running) of the requests the engine holds beyond `own` (this proxy's in
+    flight there). Its own may be waiting as well as running, so the others' waiting part
+    is at most the engine's waiting count."""
+    extra = max(0, running + waiting - own)
+    queued = min(extra, waiting)
+    return queued, extra - queued
+
+
+class LoadPoller:
+    """Every interval, each healthy node's /metrics: Backend.others_* (written here only)."""
+
+    def __init__(self, backends: Backends, session: aiohttp.ClientSession,
+                 headers: dict[str, str], interval_s: float, timeout_s: float) -> None:
+        self.backends = backends
+        self.session = session
+        self.headers = headers
+        self.interval = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._last: dict[str, tuple[int, int]] = {}  # per node URL: the reading before
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="proxy-engine-load")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.poll_once()
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def poll_once(self) -> None:
+        nodes = [b for b in self.backends.all() if b.healthy]
+        for url in set(self._last) - {b.url for b in nodes}:
+            del self._last[url]
+        await asyncio.gather(*(self._read(b) for b in nodes))
+
+    async def _read(self, b: Backend) -> None:
+        try:
+            async with self.session.get(f"{b.url}/metrics", headers=self.headers,
+                                        timeout=self.timeout) as r:
+                text = await r.text() if r.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
+            log.debug("%s %s: no load reading: %s", b.role, b.url, exc)
+            text = ""
+        counts = engine_counts(text)
+        if counts is None:  # nothing known: count nothing, as before the first reading
+            self._last.pop(b.url, None)
+            b.others_waiting = b.others_running = 0
+            return
+        now = others(*counts, b.in_flight)
+        before = self._last.get(b.url, now)
+        self._last[b.url] = now
+        b.others_waiting, b.others_running = min(now[0], before[0]), min(now[1], before[1])

@@ -1,0 +1,230 @@
+"""Goodput: the highest Poisson arrival rate at which at least 90% of requests meet a TTFT
+and a worst-gap SLO (bench/slo.py), for a plain vLLM server given both CPUs and the
+appliance (P on CPU 0, D on CPU 1, its own proxy) placing by `split=always` and by
+`split=auto`, in one run; and raw throughput (each setup's best completed rate).
+
+    .venv/bin/python bench/goodput.py [--workloads short,mid,long,prefix,chat]
+        [--seeds 1] [--prompts 12] [--points 3] [--log-dir DIR]
+
+Workloads (the larger-KV model, its own tokenizer; `vllm bench serve`'s datasets, open
+loop, `--ignore-eos`):
+- short, mid, long: `random` at 128, 512 and 1,536 prompt tokens, 64 or 128 out;
+- prefix: `prefix_repetition`, 4 prefixes of 1,024 tokens + 128 of each prompt's own;
+- chat: conversations of 4 turns arriving at random, each turn the whole conversation so
+  far plus a new message (bench/multiturn.py's run_open; its rate counts turns).
+Each setup starts fresh. Its first run, at the lowest rate before anything else, is the
+cold one (reported apart); then a warm-up at the highest rate (not counted); then the sweep,
+the setups taking turns at each rate. SLOs come from the plain server's run at the lowest
+rate: TTFT within 4x its median, and the worst gap within 3x its median step (tight: one
+prefill among running decodes breaks it) or 20x (loose). The plain server runs with the
+flags the node's engines run with on CPU (`--enforce-eager`, the same KV bytes), else vLLM's
+defaults. Every run is printed and kept as JSON under --log-dir; nothing is picked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import multiturn  # noqa: E402
+import slo  # noqa: E402
+from serve import decisions, plain_setup  # noqa: E402
+from ttft import SERVED, SETTLE_S, Setup, appliance_setup  # noqa: E402
+
+from appliance import tinymodel  # noqa: E402
+
+console = Console(stderr=True)
+MODEL = "kvbench"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    args: tuple[str, ...]  # `vllm bench serve` dataset flags; () for the multi-turn client
+    rates: tuple[float, float]  # the sweep's lowest and highest arrival rate, requests/s
+
+
+WORKLOADS = {
+    "short": Workload("short", ("--dataset-name", "random", "--random-input-len", "128",
+                                "--random-output-len", "64", "--random-range-ratio", "0.5"),
+                      (1.0, 4.0)),
+    "mid": Workload("mid", ("--dataset-name", "random", "--random-input-len", "512",
+                            "--random-output-len", "128", "--random-range-ratio", "0.5"),
+                    (0.4, 1.6)),
+    "long": Workload("long", ("--dataset-name", "random", "--random-input-len", "1536",
+                              "--random-output-len", "128", "--random-range-ratio", "0.2"),
+                     (0.2, 0.8)),
+    "prefix": Workload("prefix", ("--dataset-name", "prefix_repetition",
+                                  "--prefix-repetition-prefix-len", "1024",
+                                  "--prefix-repetition-suffix-len", "128",
+                                  "--prefix-repetition-num-prefixes", "4",
+                                  "--prefix-repetition-output-len", "128"), (0.3, 1.2)),
+    "chat": Workload("chat", (), (0.4, 1.6)),
+}
+SETUPS = ("plain", "always", "auto")
+
+
+def run_once(url: str, model: Path, work: Workload, rate: float, prompts: int, seed: int,
+             out: Path) -> dict:
+    """One open-loop run; its detailed result (per request TTFT, gaps, errors)."""
+    if not work.args:
+        result = multiturn.run_open(url, SERVED, seed, rate, conversations=max(1, prompts // 4))
+        out.write_text(json.dumps(result))
+        return result
+    cmd = [sys.executable, "-m", "appliance.launcher", "bench", "serve", "--backend", "vllm",
+           "--base-url", url, "--model", SERVED, "--tokenizer", str(model), *work.args,
+           "--num-prompts", str(prompts), "--request-rate", f"{rate:g}", "--ignore-eos",
+           "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
+           "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result",
+           "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed against {url}:\n{res.stdout[-2000:]}\n"
+                         f"{res.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+@dataclass
+class Sweep:
+    """One workload and seed: each setup's cold run and its run at each rate."""
+    work: Workload
+    seed: int
+    rates: list[float]
+    cold: dict[str, dict]
+    runs: dict[str, dict[float, dict]]
+    placed: dict[str, float]
+
+    def slos(self) -> tuple[slo.Slo, slo.Slo]:
+        return slo.slos_from(slo.Detail.of(self.runs["plain"][self.rates[0]]))
+
+
+def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path) -> Sweep:
+    model = tinymodel.build(ROOT / ".cache" / "models" / MODEL, MODEL)
+    setups: list[Setup] = [plain_setup(model, log_dir),
+                           *(appliance_setup(model, log_dir, split, split) for split in SETUPS[1:])]
+    rates = slo.geometric_rates(*work.rates, points)
+    result = Sweep(work, seed, rates, {}, {s.name: {} for s in setups}, {})
+    started: list[Setup] = []
+    try:
+        for setup in setups:
+            console.log(f"{work.name} seed {seed}: starting {setup.name}")
+            setup.start()
+            started.append(setup)
+        url = {s.name: s.proxy_url or s.plain_url or "" for s in setups}
+        for phase, rate, run_seed in (("cold", rates[0], seed + 500),
+                                      ("warm-up", rates[-1], seed + 900)):
+            for setup in setups:
+                time.sleep(SETTLE_S)
+                console.log(f"{work.name} seed {seed}: {phase} at {rate:g}/s, {setup.name}")
+                got = run_once(url[setup.name], model, work, rate, prompts, run_seed,
+                               log_dir / f"{work.name}-{seed}-{setup.name}-{phase}.json")
+                if phase == "cold":
+                    result.cold[setup.name] = got
+        before, _ = decisions(url["auto"])
+        for i, rate in enumerate(rates):
+            for setup in setups if i % 2 == 0 else reversed(setups):
+                time.sleep(SETTLE_S)
+                console.log(f"{work.name} seed {seed}: {rate:g}/s, {setup.name}")
+                result.runs[setup.name][rate] = run_once(
+                    url[setup.name], model, work, rate, prompts, seed * 10 + i,
+                    log_dir / f"{work.name}-{seed}-{setup.name}-{rate:g}.json")
+        after, why = decisions(url["auto"])
+        result.placed = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        console.log(f"{work.name} seed {seed}: auto's decisions by reason: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in sorted(why.items())))
+    finally:
+        for setup in reversed(started):
+            setup.stop()
+    return result
+
+
+def summary(s: Sweep) -> dict:
+    """Goodput per SLO, raw throughput, and the cold runs' numbers, per setup."""
+    out: dict = {"workload": s.work.name, "seed": s.seed, "rates": s.rates,
+                 "auto_placed": s.placed, "slos": {}, "setups": {}}
+    slos = s.slos()
+    for x in slos:
+        out["slos"][x.name] = {"ttft_ms": x.ttft_ms, "gap_ms": x.gap_ms}
+    for name, runs in s.runs.items():
+        row: dict = {"throughput": max(r["request_throughput"] for r in runs.values()),
+                     "cold_throughput": s.cold[name]["request_throughput"]}
+        for x in slos:
+            shares = [(rate, slo.attainment(slo.Detail.of(runs[rate]), x)) for rate in s.rates]
+            row[f"{x.name}_attainment"] = dict(shares)
+            row[f"{x.name}_goodput"] = slo.goodput_rate(shares)
+            row[f"{x.name}_cold_attainment"] = slo.attainment(slo.Detail.of(s.cold[name]), x)
+        out["setups"][name] = row
+    return out
+
+
+def print_table(sm: dict) -> None:
+    placed = sm["auto_placed"]
+    total = sum(placed.values()) or 1
+    slos = "; ".join(f"{k}: TTFT <= {v['ttft_ms']:.0f} ms, worst gap <= {v['gap_ms']:.0f} ms"
+                     for k, v in sm["slos"].items())
+    table = Table(title=f"{sm['workload']} seed {sm['seed']}, rates {sm['rates']} req/s; "
+                        f"{slos}; auto placed {placed.get('local', 0) / total:.0%} local, "
+                        f"{placed.get('remote', 0) / total:.0%} remote, "
+                        f"{placed.get('p_alone', 0) / total:.0%} p_alone")
+    table.add_column("setup")
+    for name in sm["slos"]:
+        table.add_column(f"{name} goodput req/s", justify="right")
+        table.add_column(f"{name} / plain", justify="right")
+        table.add_column(f"{name} met at each rate", justify="right")
+        table.add_column(f"{name} met, cold", justify="right")
+    table.add_column("throughput req/s", justify="right")
+    table.add_column("/ plain", justify="right")
+    table.add_column("cold req/s", justify="right")
+    table.add_column("cold / plain", justify="right")
+    plain = sm["setups"]["plain"]
+    for name, row in sm["setups"].items():
+        cells = []
+        for x in sm["slos"]:
+            cells += [f"{row[f'{x}_goodput']:g}", slo.ratio(row[f"{x}_goodput"],
+                                                            plain[f"{x}_goodput"]),
+                      " ".join(f"{v:.0%}" for v in row[f"{x}_attainment"].values()),
+                      f"{row[f'{x}_cold_attainment']:.0%}"]
+        cells += [f"{row['throughput']:.2f}", slo.ratio(row["throughput"], plain["throughput"]),
+                  f"{row['cold_throughput']:.2f}",
+                  slo.ratio(row["cold_throughput"], plain["cold_throughput"])]
+        table.add_row(name, *cells)
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--seeds", default="1", help="comma-separated; each a whole sweep")
+    parser.add_argument("--prompts", type=int, default=12, help="requests per run")
+    parser.add_argument("--points", type=int, default=3, help="arrival rates per sweep")
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-goodput"))
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    for name in args.workloads.split(","):
+        for seed in (int(x) for x in args.seeds.split(",")):
+            sm = summary(sweep(WORKLOADS[name], seed, args.prompts, args.points, args.log_dir))
+            (args.log_dir / f"summary-{name}-{seed}.json").write_text(json.dumps(sm, indent=1))
+            summaries.append(sm)
+            print_table(sm)  # as each ends: a long run shows what it has so far
+    console.rule("all runs")
+    for sm in summaries:
+        print_table(sm)
+
+
+if __name__ == "__main__":
+    main()
