@@ -38,6 +38,8 @@ class AccessRecord:
     prefill_s: float | None = None
     ttfb_s: float | None = None
     fallback: str | None = None
+    # Times its answer went on from another engine after the one serving it broke off.
+    migrated: int = 0
     error: str | None = None
     # Where the prompt was placed and why, with what `auto` weighed (appliance.proxy.placement).
     placed: Decision | None = None
@@ -111,13 +113,14 @@ class AccessRecord:
         total = time.monotonic() - self.started
         access_log.info(
             "%s %s xfer=%s p=%s d=%s status=%d split=%s cached=%s%s prefill_ms=%s "
-            "ttfb_ms=%s total_ms=%.1f%s%s",
+            "ttfb_ms=%s total_ms=%.1f%s%s%s",
             self.route, self.request_id, self.transfer_id, self.prefill, self.decode,
             self.status, "-" if self.placed is None
             else f"{self.placed.where}:{self.placed.reason}",
             self._cached(), self._weighed(),
             _ms(self.prefill_s), _ms(self.ttfb_s), total * 1000,
             f" fallback={self.fallback}" if self.fallback else "",
+            f" migrated={self.migrated}" if self.migrated else "",
             f" error={self.error!r}" if self.error else "")
 
     def _cached(self) -> str:

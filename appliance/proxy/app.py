@@ -102,7 +102,8 @@ class Proxy:
         if self.tracing is not None:
             self.metrics.trace_spans = self.tracing.export.counts
         self.paths = Paths(settings, self.metrics, self.backends, self.upstreams,
-                                 self.relay, self.pulls, self.base_headers)
+                           self.relay, self.pulls, self.base_headers,
+                           lambda: self.shutting_down)
 
     async def start(self, _app: web.Application | None = None) -> None:
         # aiohttp's client for the light traffic: health checks, /query, /v1/models.

@@ -180,6 +180,11 @@ class ProxyMetrics:
         r.register(_HotPath(self))
         self.fallbacks = Counter("pd_proxy_prefill_fallbacks",
                                  "Requests served by D alone, by reason", ["reason"], registry=r)
+        self.migrations = Counter(
+            "pd_proxy_migrations",
+            "Answers that went on from another engine after theirs broke off: whole (asked "
+            "again before the client's first byte), continued (a stream, after the tokens "
+            "the client had)", ["how"], registry=r)
         self.first_token = Counter(
             "pd_proxy_first_token",
             "Streaming requests by who gave the first token: prefill_led (P's token, then D), "

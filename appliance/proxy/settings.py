@@ -155,6 +155,11 @@ class ProxySettings(BaseModel):
     engine_load_interval_s: Annotated[float, Flag(PLACEMENT)] = Field(
         1.0, ge=0, description="auto: how often each engine's own request gauges are read, "
                                "so work other proxies sent it counts (0: this proxy's alone)")
+    # appliance.proxy.exchange.migration: what goes on elsewhere, and what cannot.
+    migration_limit: Annotated[int, Flag(PLACEMENT, metavar="N")] = Field(
+        1, ge=0, description="how many times one answer may go on from another engine (another "
+                             "D, else P) after the one serving it broke off (0: the client "
+                             "gets the error)")
     fallback_to_decode: Annotated[bool, Flag(PLACEMENT, name="fallback")] = Field(
         True, description="serve by D alone when P is unreachable or times out, instead of a 503")
     # This appliance's connector sends the KV whatever the finish reason, so D is left

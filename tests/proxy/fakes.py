@@ -264,12 +264,22 @@ class FakeVLLM(FakeServer):
         await resp.prepare(request)
         if self.hang_after_headers:
             await asyncio.Event().wait()
-        for i in range(self.chunks):
-            if self.die_after is not None and i == self.die_after:
+        # A completion of token ids asking for them back (the first-token path's D, or an
+        # answer continued elsewhere): "greedy" tokens by position, so one continued after
+        # k of them goes on with the k+1-th (tests of appliance.proxy.exchange.migration).
+        ids = rec.body.get("return_token_ids") and isinstance(rec.body.get("prompt"), list)
+        shift = len(rec.body["prompt"]) - len(self.prompt_token_ids) - 1 if ids else 0
+        for i in range(shift, max(shift, self.chunks)):
+            if self.die_after is not None and i - shift == self.die_after:
                 await _crash(request)
                 return resp
             last = i == self.chunks - 1
-            await resp.write(_sse(_chunk(self.name, chat, i, self.finish_reason if last else None)))
+            chunk = _chunk(self.name, chat, i, self.finish_reason if last else None)
+            if ids:
+                chunk["choices"][0]["token_ids"] = [100 + i]
+                chunk["choices"][0]["prompt_token_ids"] = rec.body["prompt"] if i == shift \
+                    else None
+            await resp.write(_sse(chunk))
             rec.chunks_sent += 1
             if self.chunk_delay:
                 await asyncio.sleep(self.chunk_delay)

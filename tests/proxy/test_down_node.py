@@ -1,6 +1,6 @@
 """A node that stops answering (a frozen process accepts connections and says nothing) is
 found by the health checks within seconds, and the calls it holds fail then, not at their
-timeouts: P's go to D alone, D's end with an error."""
+timeouts: P's go to D alone, D's go on from another engine (P) or end with an error."""
 
 from __future__ import annotations
 
@@ -30,9 +30,13 @@ async def test_a_hung_prefill_node_fails_over_to_decode_within_seconds(
     assert 'kind="down"' in metrics
 
 
-async def test_a_hung_decode_node_ends_its_requests_with_an_error_within_seconds(
-        make_cluster: MakeCluster) -> None:
-    c = await make_cluster(**SLOW)
+@pytest.mark.parametrize("limit", [0, 1])
+async def test_a_hung_decode_node_ends_its_stream_within_seconds(
+        make_cluster: MakeCluster, limit: int) -> None:
+    """D hangs after its stream's headers and is found down: with no migration, the stream
+    ends with an error event saying so; by default P answers it whole in the same stream
+    (none of D's events reached the client)."""
+    c = await make_cluster(migration_limit=limit, **SLOW)
     d = c.decode[0]
     d.hang_after_headers = True
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
@@ -43,26 +47,40 @@ async def test_a_hung_decode_node_ends_its_requests_with_an_error_within_seconds
     d.healthy = False
     status, answer, _ = await asyncio.wait_for(task, 10)
     assert time.monotonic() - started < 3
-    assert status >= 500 or "error" in str(answer)  # an error status or an SSE error event
-    assert "is down" in str(answer) and "did not answer" not in str(answer)
+    if limit == 0:
+        assert status >= 500 or "error" in str(answer)  # an error status or an SSE error event
+        assert "is down" in str(answer) and "did not answer" not in str(answer)
+        return
+    assert status == 200 and "error" not in str(answer) and str(answer).endswith("[DONE]\n\n")
+    whole = c.prefill[0].bodies()[-1]
+    assert "kv_transfer_params" not in whole and whole["prompt"] == "hello"
+    metrics = await (await c.http.get(f"{c.url}/metrics")).text()
+    assert 'pd_proxy_migrations_total{how="whole"} 1.0' in metrics
 
 
-async def test_a_call_on_a_decode_node_found_down_says_so(make_cluster: MakeCluster) -> None:
-    """Not "did not answer in 300 s" after a few seconds: the node was found down."""
-    c = await make_cluster(**SLOW)
+@pytest.mark.parametrize("limit", [0, 1])
+async def test_a_call_on_a_decode_node_found_down_says_so(make_cluster: MakeCluster,
+                                                          limit: int) -> None:
+    """Not "did not answer in 300 s" after a few seconds: the node was found down. By
+    default P answers it whole instead."""
+    c = await make_cluster(migration_limit=limit, **SLOW)
     d = c.decode[0]
     d.hang = True
     task = asyncio.create_task(c.post())
     await d.wait_requests(1)
     d.healthy = False
     status, answer, _ = await asyncio.wait_for(task, 10)
-    assert status == 502, answer
-    message = answer["error"]["message"]
-    assert message.startswith(f"decode node {d.url} is down"), message
     metrics = await (await c.http.get(f"{c.url}/metrics")).text()
     # Counted once for the node's calls, not again per call.
     assert f'pd_proxy_upstream_errors_total{{backend="{d.url}",kind="down",role="decode"}} 1.0' \
         in metrics
+    if limit:
+        assert status == 200 and answer["choices"], answer
+        assert 'pd_proxy_migrations_total{how="whole"} 1.0' in metrics
+        return
+    assert status == 502, answer
+    message = answer["error"]["message"]
+    assert message.startswith(f"decode node {d.url} is down"), message
 
 
 async def test_one_failed_check_does_not_fail_what_the_node_holds(
@@ -114,7 +132,7 @@ async def test_a_request_whose_decode_node_is_found_down_before_any_byte_goes_to
 
 async def test_with_no_other_decode_node_the_request_still_ends_at_once(
         make_cluster: MakeCluster) -> None:
-    c = await make_cluster(split="never", **SLOW)
+    c = await make_cluster(split="never", migration_limit=0, **SLOW)
     c.decode[0].hang = True
     task = asyncio.create_task(c.post())
     await c.decode[0].wait_requests(1)

@@ -140,7 +140,7 @@ async def test_prefill_stopping_on_eos_falls_back_when_asked(make_cluster: MakeC
 
 
 async def test_decode_unreachable_is_502_and_prefill_cancelled(make_cluster: MakeCluster) -> None:
-    c = await make_cluster(health_interval_s=60)
+    c = await make_cluster(health_interval_s=60, migration_limit=0)
     c.prefill[0].hang = True
     await c.decode[0].stop()
     status, data, elapsed = await c.post()

@@ -104,7 +104,7 @@ def test_continuation_of_a_chat_is_a_completion_of_token_ids():
     assert continuation_request(body, CHAT, ANSWER, "x1", "http://b:8998", "e0") == {
         "model": "tiny", "stream": True, "temperature": 0, "seed": 1,
         "stream_options": {"include_usage": True},
-        "max_tokens": 7, "min_tokens": 1, "prompt": [1, 2, 3, 77],
+        "max_tokens": 7, "min_tokens": 1, "prompt": [1, 2, 3, 77], "return_token_ids": True,
         "kv_transfer_params": {"do_remote_decode": False, "do_remote_prefill": True,
                                "remote_bootstrap_addr": "http://b:8998",
                                "remote_engine_id": "e0", "transfer_id": "x1",
@@ -190,13 +190,40 @@ def d_chunk(text: str, finish: str | None = None, usage: dict | None = None) -> 
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def test_completion_stream_passes_d_through_untouched():
+def test_completion_stream_keeps_d_token_ids_and_takes_them_out():
+    """D's chunks say their token ids (asked for, so the answer can go on elsewhere); the
+    client's chunks carry none, as a plain server's, and only whole events come out."""
     s = ClientStream(completion(), COMPLETIONS, ANSWER)
     (first,) = events(s.head())
     assert first["choices"][0]["text"] == " the" and first["choices"][0]["finish_reason"] is None
     assert first["id"] == "cmpl-r1"
-    chunk = d_chunk(" cat")
-    assert s.feed(chunk[:10]) == chunk[:10]  # no rewriting: bytes as they come
+
+    def with_ids(text: str, ids: list[int], prompt: list[int] | None = None) -> bytes:
+        obj = json.loads(d_chunk(text)[6:])
+        obj["choices"][0].update(token_ids=ids, prompt_token_ids=prompt)
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    chunk = with_ids(" cat", [5], [1, 2, 3, 77])
+    assert s.feed(chunk[:10]) == b""
+    (got,) = events(s.feed(chunk[10:]))
+    assert got["choices"][0]["text"] == " cat"
+    assert got["choices"][0]["token_ids"] is None and got["choices"][0]["prompt_token_ids"] is None
+    # Half a character: its id waits for the text that completes it.
+    events(s.feed(with_ids("\ufffd", [6]) + with_ids("", [8])))
+    assert s.sent() == [5]
+    events(s.feed(with_ids("é!", [9])))
+    assert s.sent() == [5, 6, 8, 9] and s.exact
+    events(s.feed(d_chunk(" no ids")))
+    assert not s.exact
+
+
+def test_usage_after_the_answer_went_on_elsewhere_counts_every_sent_token_as_output():
+    s = ClientStream(completion(stream_options={"include_usage": True}), COMPLETIONS, ANSWER)
+    s.feed(d_chunk(" cat")[:12])  # the broken engine's partial event is dropped
+    s.resumed([5, 6])  # the new engine's prompt: P's 3, P's token, and 2 sent
+    (usage,) = events(s.feed(d_chunk("", usage={"prompt_tokens": 6, "completion_tokens": 2,
+                                                 "total_tokens": 8})))
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
 
 
 def test_usage_counts_p_token_as_output():
@@ -344,13 +371,39 @@ async def test_d_refuses_after_p_token(ft: Cluster) -> None:
     assert "d0 says no" in evs[-1]["error"]["message"]
 
 
-async def test_d_unreachable_before_p_token(ft: Cluster) -> None:
-    await ft.decode[0].stop()
-    status, (body,) = await stream(ft, "/v1/completions", completion())
+async def test_d_unreachable_before_p_token(make_cluster: MakeCluster) -> None:
+    c = await make_cluster(first_token_from_prefill=True, migration_limit=0)
+    await c.decode[0].stop()
+    status, (body,) = await stream(c, "/v1/completions", completion())
     assert status == 502 and "unreachable" in body["error"]["message"]
 
 
-async def test_d_dies_mid_stream(ft: Cluster) -> None:
+async def test_d_unreachable_before_p_token_p_answers_whole(ft: Cluster) -> None:
+    await ft.decode[0].stop()
+    status, evs = await stream(ft, "/v1/completions", completion())
+    assert status == 200 and evs[-1] == "[DONE]" and texts(evs) == "t0 t1 t2 t3 "
+    whole = ft.prefill[0].received[-1].body
+    assert "kv_transfer_params" not in whole and whole["prompt"] == completion()["prompt"]
+
+
+async def test_d_dies_mid_stream_the_answer_goes_on_from_p(ft: Cluster) -> None:
+    """After P's token and two of D's, D is killed: P goes on after those three tokens
+    (their ids), with what is left of max_tokens; the client's stream has no gap and no
+    repeat, and one [DONE]."""
+    ft.decode[0].die_after = 2
+    body = completion()
+    status, evs = await stream(ft, "/v1/completions", body)
+    assert status == 200 and texts(evs) == "t0t0 t1 t2 t3 ", evs
+    assert evs[-1] == "[DONE]" and not any("error" in e for e in evs if isinstance(e, dict))
+    on_p = ft.prefill[0].received[-1].body
+    assert on_p["prompt"] == [1, 2, 3, 4, 5, 7, 100, 101] and on_p["return_token_ids"] is True
+    assert on_p["max_tokens"] == body["max_tokens"] - 3 and "kv_transfer_params" not in on_p
+    metrics = await (await ft.http.get(f"{ft.url}/metrics")).text()
+    assert 'pd_proxy_migrations_total{how="continued"} 1.0' in metrics
+
+
+async def test_d_dies_mid_stream(make_cluster: MakeCluster) -> None:
+    ft = await make_cluster(first_token_from_prefill=True, migration_limit=0)
     ft.decode[0].die_after = 2
     status, evs = await stream(ft, "/v1/completions", completion())
     assert status == 200 and texts(evs[:3]) == "t0t0 t1 "

@@ -127,7 +127,7 @@ async def test_a_prefill_node_down_leaves_d_alone(make_cluster: MakeCluster) -> 
 
 
 async def test_a_decode_node_down_is_a_502(make_cluster: MakeCluster) -> None:
-    c = await make_cluster(health_interval_s=30.0)
+    c = await make_cluster(health_interval_s=30.0, migration_limit=0)
     await c.decode[0].stop()
     status, data, _ = await c.post(PATH, request(stream=True))
     assert status == 502 and "unreachable" in data["error"]["message"], data

@@ -17,6 +17,7 @@ server had answered).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,16 +196,28 @@ def continuation_request(body: dict[str, Any], route: str, answer: PrefillAnswer
                          transfer_id: str, bootstrap_addr: str, engine_id: str,
                          recv_timeout_ms: int | None = None) -> dict[str, Any]:
     """D's body: a completion of P's prompt ids plus P's token, pulling P's KV."""
-    out = {k: v for k, v in body.items() if k in _CONTINUED}
-    limit = _max_tokens(body, route)
-    if limit is not None:
-        out["max_tokens"] = limit - 1
-    if body.get("min_tokens"):
-        out["min_tokens"] = body["min_tokens"] - 1
-    out["prompt"] = [*answer.prompt_token_ids, answer.token_id]
+    out = resumed_request(body, route, answer, ())
     out["kv_transfer_params"] = {
         **pull_params(transfer_id, bootstrap_addr, engine_id, recv_timeout_ms),
         "remote_num_tokens": len(answer.prompt_token_ids)}
+    return out
+
+
+def resumed_request(body: dict[str, Any], route: str, answer: PrefillAnswer,
+                    sent: Sequence[int]) -> dict[str, Any]:
+    """A completion of P's prompt ids, P's token and the tokens `sent` after it, for the
+    rest of the answer (limits less what was sent). Its token ids come back with each chunk
+    (ClientStream keeps them and takes them out): if the engine answering it breaks off,
+    another continues after them (appliance.proxy.exchange.migration)."""
+    out = {k: v for k, v in body.items() if k in _CONTINUED}
+    done = 1 + len(sent)
+    limit = _max_tokens(body, route)
+    if limit is not None:
+        out["max_tokens"] = limit - done
+    if body.get("min_tokens"):
+        out["min_tokens"] = max(0, body["min_tokens"] - done)
+    out["prompt"] = [*answer.prompt_token_ids, answer.token_id, *sent]
+    out["return_token_ids"] = True
     return out
 
 
@@ -223,16 +236,25 @@ def _wants_usage(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 class ClientStream:
-    """The client's SSE stream: P's token first, then D's chunks rewritten as needed."""
+    """The client's SSE stream: P's token first, then D's chunks rewritten as needed.
+
+    D is asked for its token ids (resumed_request); each chunk's are kept here and taken
+    out, so the client's chunks are a plain server's. `sent()`: the ids whose text reached
+    the client whole (a token that reads as nothing, or as half a character, waits for the
+    next one's text), what a continuation elsewhere goes on after."""
 
     def __init__(self, body: dict[str, Any], route: str, answer: PrefillAnswer) -> None:
         self.chat = route == CHAT
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
         self.answer = answer
         self.include_usage, self.continuous_usage = _wants_usage(body)
-        # Completions chunks pass through untouched unless they carry usage.
-        self.rewrites = self.chat or self.include_usage
         self._pending = b""
+        # Output tokens in the prompt of the engine answering now (P's token, then those a
+        # continuation goes on after): its usage counts them as prompt, one server as output.
+        self._shift = 1
+        self._shown: list[int] = []
+        self._unshown: list[int] = []
+        self.exact = True  # every chunk said its token ids
 
     # ---- P's part ----
 
@@ -275,8 +297,6 @@ class ClientStream:
 
     def feed(self, data: bytes) -> bytes:
         """D's bytes as they come -> the client's bytes (whole events only)."""
-        if not self.rewrites:
-            return data
         buf = self._pending + data
         cut = buf.rfind(b"\n\n")
         if cut < 0:
@@ -290,6 +310,16 @@ class ClientStream:
         rest, self._pending = self._pending, b""
         return self._rewrite(rest.strip()) if rest.strip() else rest
 
+    def sent(self) -> list[int]:
+        return list(self._shown)
+
+    def resumed(self, sent: Sequence[int]) -> None:
+        """Another engine continues after P's token and `sent`: the broken engine's partial
+        event is dropped, and the new one's usage counts them as prompt."""
+        self._pending = b""
+        self._unshown = []
+        self._shift = 1 + len(sent)
+
     def _rewrite(self, event: bytes) -> bytes:
         if not event.startswith(b"data: ") or event[6:].strip() == b"[DONE]":
             return event
@@ -301,15 +331,37 @@ class ClientStream:
             return event
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            # D counted P's token as prompt: one server counts it as output.
-            for key, step in (("prompt_tokens", -1), ("completion_tokens", 1)):
+            # D counted P's token (and those it continues after) as prompt: one server
+            # counts them as output.
+            for key, step in (("prompt_tokens", -self._shift),
+                              ("completion_tokens", self._shift)):
                 if isinstance(usage.get(key), int):
                     usage[key] += step
-        if self.chat and isinstance(obj.get("choices"), list):
-            obj["id"] = self.answer.id
-            obj["object"] = self.object
-            obj["choices"] = [_chat_choice(c) for c in obj["choices"] if isinstance(c, dict)]
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for c in choices:
+                if isinstance(c, dict):
+                    self._keep_ids(c)
+            if self.chat:
+                obj["id"] = self.answer.id
+                obj["object"] = self.object
+                obj["choices"] = [_chat_choice(c) for c in choices if isinstance(c, dict)]
         return b"data: " + _encode(obj)
+
+    def _keep_ids(self, c: dict[str, Any]) -> None:
+        ids, text = c.get("token_ids"), c.get("text")
+        if "token_ids" in c:  # the client did not ask for them (not eligible otherwise)
+            c["token_ids"] = None
+        if c.get("prompt_token_ids") is not None:
+            c["prompt_token_ids"] = None
+        if not isinstance(ids, list):
+            if text:
+                self.exact = False
+            return
+        self._unshown += ids
+        if isinstance(text, str) and text and not text.endswith("\ufffd"):
+            self._shown += self._unshown
+            self._unshown = []
 
 
 def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,8 @@ and D alone (the fallback when P cannot help). Each names the transfer, moves th
 holder (appliance.proxy.ownership) as the legs go, and hands D's answer to the relay. A
 D call still waiting on P's KV is registered in `pulls`: if that P goes down, D is asked
 again alone (`_alone`); a request whose serving node goes down before the client's first
-byte is asked of another D alone (`elsewhere`).
+byte is asked of another D alone, or of P (`elsewhere`), and a stream D breaks off goes on
+from another engine where it can (exchange.migration).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from aiohttp import web
 from appliance.proxy.errors import NodeDown, ProxyError, status_kind, upstream_error_body
 from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.bodies import decode_body, new_transfer_id, prefill_body
+from appliance.proxy.exchange.migration import Migration
 from appliance.proxy.exchange.relay import Relay, json_response
 from appliance.proxy.flight import Flight
 from appliance.proxy.metrics import ProxyMetrics
@@ -44,7 +46,8 @@ _Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
 class Paths:
     def __init__(self, settings: ProxySettings, metrics: ProxyMetrics, backends: Backends,
                  upstreams: Upstreams, relay: Relay, pulls: Pulls,
-                 base_headers: dict[str, str]) -> None:
+                 base_headers: dict[str, str],
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self.settings = settings
         self.metrics = metrics
         self.backends = backends
@@ -52,6 +55,8 @@ class Paths:
         self.relay = relay
         self.pulls = pulls
         self.base_headers = base_headers
+        self.migration = Migration(settings.migration_limit, metrics, backends,
+                                   self._send_decode, stopping)
 
     def _headers(self, flight: Flight, node: Backend) -> dict[str, str]:
         """A call's headers; with tracing on, its span begins and its context goes along."""
@@ -157,7 +162,8 @@ class Paths:
             handed_over = True
             self.pulls.waiting(kv, d_resp)
             return await self.relay.relay(request, flight, d, d_resp,
-                                          self._alone(flight, d, rec.route, _encode(body)))
+                                          self._alone(flight, d, rec.route, _encode(body)),
+                                          self.migration.whole(flight, d, body))
         finally:  # the calls' connections; the counts are the flight's
             if p_resp is not None:
                 p_resp.close()
@@ -241,7 +247,8 @@ class Paths:
             d_resp = await self._send_decode(flight, d, rec.route, d_data)
             self.pulls.waiting(kv, d_resp)
             return await self.relay.relay(request, flight, d, d_resp,
-                                          self._alone(flight, d, rec.route, _encode(body)))
+                                          self._alone(flight, d, rec.route, _encode(body)),
+                                          self.migration.whole(flight, d, body))
         stream = first_token.ClientStream(body, rec.route, answer)
         if answer.stopped:  # P's token is the whole answer; P freed its KV by itself
             kv.move(Holder.NONE, "P's token ended the answer")
@@ -262,7 +269,9 @@ class Paths:
         self.metrics.first_token.labels("prefill_led").inc()
         try:
             out = await self.relay.open_stream(request, flight, stream.head())
-            return await self.relay.continue_stream(flight, d, d_resp, out, stream, alone)
+            return await self.relay.continue_stream(
+                flight, d, d_resp, out, stream, alone,
+                self.migration.continued(flight, d, body, answer, stream))
         finally:
             d_resp.close()
 
@@ -313,26 +322,25 @@ class Paths:
         rec = flight.rec
         rec.decode = node.url  # the access line names the engine that decodes
         upstream = await self._send_decode(flight, node, rec.route, _encode(body))
-        return await self.relay.relay(request, flight, node, upstream)
+        return await self.relay.relay(request, flight, node, upstream,
+                                      resume=self.migration.whole(flight, node, body))
 
     async def elsewhere(self, request: web.Request, flight: Flight, body: dict[str, Any],
                         down: NodeDown, decodes: list[Backend],
                         pick: Callable[[list[Backend]], Backend]) -> web.StreamResponse:
-        """The node serving the request was found down (or unreachable) before the client's
-        first byte: another D serves it alone, once (a rollout's old D, sent a request as
-        it stopped, loses nothing). Whatever P held for it is given up. No other D: the
-        502 stands."""
-        rec = flight.rec
+        """The node serving the request was found down, unreachable, or broke off its answer
+        before the client's first byte: another D serves it alone, or else a P, within
+        `migration_limit` (a rollout's old D, sent a request as it stopped, loses nothing).
+        Whatever P held for it is given up. None: the 502 stands."""
         others = [b for b in decodes if b.url != down.url]
-        if not others:
+        node = (None if flight.rec.migrated >= self.migration.limit or self.migration.stopping()
+                else pick(others) if others else self.migration.to(flight, down.url, []))
+        if node is None:
             raise down
         # Its prefill will not happen where it was queued.
         flight.close_ticket(time.monotonic(), learn=False)
-        other = pick(others)
-        log.warning("%s %s: %s; decode %s serves it alone", rec.route, rec.request_id,
-                    down.message, other.url)
-        flight.serve_on(other, holds_node=True)  # its slot is not the request's admission
-        return await self.plain(request, flight, body, other, DECODE_DOWN)
+        self.migration.moved(flight, node, "whole", down.message)
+        return await self.plain(request, flight, body, node, DECODE_DOWN)
 
     async def _send_decode(self, flight: Flight, d: Backend, route: str, data: bytes) -> Response:
         rec = flight.rec

@@ -3,7 +3,9 @@ after P's token.
 
 Once the client's headers are out, a failure of D can only be said by an SSE error event.
 A D call that fails because the P it waited on went down (ownership.PREFILL_DOWN) before D
-said anything is asked again on D alone (`retry`), into the same client stream.
+said anything is asked again on D alone (`retry`), into the same client stream. A stream
+that D breaks off (killed, its connection reset, cut short of its end) goes on from another
+engine where `resume` can ask one (appliance.proxy.exchange.migration).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ _encode = msgspec.json.encode
 
 # D's call asked again on D alone (after its P went down); None where it cannot be.
 Retry = Callable[[], Awaitable[Response]] | None
+# Another engine asked to go on with a stream D broke off, given whether any of D's bytes
+# reached the client and why it broke: its answer, or None where none can (a ProxyError
+# when the one asked cannot answer).
+Resume = Callable[[bool, str], Awaitable[Response | None]] | None
 
 
 class Relay:
@@ -86,7 +92,7 @@ class Relay:
         return upstream_error_body(upstream.status, raw, f"{d.role} node {d.url}")
 
     async def relay(self, request: web.Request, flight: Flight, d: Backend, upstream: Response,
-                    retry: Retry = None) -> web.StreamResponse:
+                    retry: Retry = None, resume: Resume = None) -> web.StreamResponse:
         """D's answer, streamed chunk by chunk or whole; the upstream closed after."""
         rec = flight.rec
         try:
@@ -100,7 +106,7 @@ class Relay:
             content_type = upstream.header("content-type") or "application/json"
             if content_type.startswith("text/event-stream"):
                 out = await prepare_stream(request, rec, upstream.status, content_type)
-                return await self.stream(flight, d, upstream, out, retry=retry)
+                return await self.stream(flight, d, upstream, out, retry=retry, resume=resume)
             try:
                 raw = await upstream.read()
             except UpstreamError as exc:
@@ -110,7 +116,10 @@ class Relay:
                 if exc.kind == "down":  # nothing of the answer reached the client
                     raise NodeDown(d.url, str(exc)) from None
                 self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
-                raise ProxyError(502, f"{d.role} node {d.url} failed mid-answer: {exc}") from None
+                message = f"{d.role} node {d.url} failed mid-answer: {exc}"
+                if exc.kind == "failed":  # it broke off: another engine may answer it whole
+                    raise NodeDown(d.url, message) from None
+                raise ProxyError(502, message) from None
             self._first_byte(flight, stream=False)
             rec.usage_prompt, rec.usage_output = answer_usage(raw)
             if flight.kv is not None:
@@ -123,23 +132,41 @@ class Relay:
 
     async def continue_stream(self, flight: Flight, d: Backend, upstream: Response,
                               out: web.StreamResponse, stream: first_token.ClientStream,
-                              retry: Retry = None) -> web.StreamResponse:
+                              retry: Retry = None, resume: Resume = None
+                              ) -> web.StreamResponse:
         """D's continuation after P's token; the client's headers are sent already, so a
         failure of D becomes an error event."""
         rec = flight.rec
         try:
             upstream = await self._head(d, upstream, retry)
         except ProxyError as exc:
-            return await self.end_stream(out, rec, exc.message)
+            moved = await self._resumed(resume, False, exc.message)
+            if moved is None:
+                return await self.end_stream(out, rec, exc.message)
+            upstream.close()
+            upstream = moved
         try:
             if upstream.status >= 400:
                 inner = await self.error_body(d, upstream)
                 return await self.end_stream(
                     out, rec, f"{d.role} node {d.url} answered {upstream.status}: "
                               f"{inner['error']['message']}")
-            return await self.stream(flight, d, upstream, out, rewrite=stream, retry=retry)
+            return await self.stream(flight, d, upstream, out, rewrite=stream, retry=retry,
+                                     resume=resume)
         finally:
             upstream.close()
+
+    async def _resumed(self, resume: Resume, relayed: bool, why: str) -> Response | None:
+        """Another engine's answer, headed, where `resume` finds one (None: none)."""
+        if resume is None:
+            return None
+        try:
+            moved = await resume(relayed, why)
+            if moved is not None:
+                await moved.head()
+        except (ProxyError, UpstreamError):
+            return None
+        return moved
 
     async def end_stream(self, out: web.StreamResponse, rec: AccessRecord,
                          error: str) -> web.StreamResponse:
@@ -177,9 +204,9 @@ class Relay:
     async def stream(self, flight: Flight, d: Backend, upstream: Response,
                      out: web.StreamResponse, *,
                      rewrite: first_token.ClientStream | None = None,
-                     retry: Retry = None) -> web.StreamResponse:
-        """D's stream to the client (the caller closes `upstream`; a retried one is closed
-        here)."""
+                     retry: Retry = None, resume: Resume = None) -> web.StreamResponse:
+        """D's stream to the client (the caller closes `upstream`; a retried or resumed one
+        is closed here)."""
         rec = flight.rec
         fmt = event_stream(rec.route)
         error: str | None = None
@@ -241,6 +268,17 @@ class Relay:
                             error = f"{d.role} node {d.url} answered {again.status}"
                     else:
                         error = f"{d.role} node {d.url} failed mid-stream: {exc}"
+                if error is not None and (moved := await self._resumed(resume, relayed,
+                                                                       error)) is not None:
+                    # Another engine goes on with it, into the same client stream.
+                    if again is not None:
+                        again.close()
+                    again, error, kv = moved, None, None  # P's KV was given up
+                    if not relayed:
+                        fmt.restart()
+                    if moved.status < 300:
+                        continue
+                    error = f"the engine continuing it answered {moved.status}"
                 break
         finally:
             if again is not None:

@@ -1,0 +1,117 @@
+"""An answer whose engine broke off goes on from another engine (docs/protocol.md step 44).
+
+When the engine serving a request fails (killed, its connection reset, its stream cut
+short) the proxy asks another that can serve it: another D in rotation, else a P (P serves
+whole requests), at most `migration_limit` times per request, each counted
+(`pd_proxy_migrations_total{how}`, `migrated=` on the access line):
+- before the client's first byte, the request again, whole (Paths.elsewhere; a whole
+  answer's first byte is its last, so a non-stream request is always this case; a stream
+  whose headers went out but none of its events goes on in the same stream);
+- a stream led by P's token (exchange.first_token): the rest of the answer after the tokens
+  the client has, by their ids (D returns them with each chunk; the proxy takes them out),
+  with what is left of max_tokens and min_tokens. The client's stream goes on where it
+  stopped, with no gap and nothing repeated: under greedy decoding, one server's tokens.
+Not continued (the stream ends with an error event, as with no engine to go to): a stream
+that went out in the client's own format (the classic split, D alone, P alone: its chunks
+carry no token ids), and so everything the first-token path does not take (logprobs, n > 1,
+stop strings, penalties, structured output, the Responses API); seeded sampling is served
+whole by one engine and goes on only before its first byte (its random stream restarts).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.relay import Resume
+from appliance.proxy.flight import Flight
+from appliance.proxy.metrics import ProxyMetrics
+from appliance.proxy.nodes.backends import Backend, Backends
+from appliance.proxy.openai_api import COMPLETIONS
+from appliance.proxy.upstream.response import Response
+
+log = logging.getLogger("appliance.proxy")
+_encode = msgspec.json.encode
+
+# How a call is sent to a node (Paths._send_decode).
+Send = Callable[[Flight, Backend, str, bytes], Awaitable[Response]]
+
+
+def target(failed: str, decodes: list[Backend], prefills: list[Backend]) -> Backend | None:
+    """Where a broken answer goes on: the least busy other D in rotation, else a P."""
+    others = [b for b in decodes if b.url != failed]
+    if others:
+        return min(others, key=lambda b: (b.in_flight, b.decodes))
+    ps = [b for b in prefills if b.url != failed]
+    return min(ps, key=lambda b: (b.in_flight, b.decodes)) if ps else None
+
+
+class Migration:
+    def __init__(self, limit: int, metrics: ProxyMetrics, backends: Backends,
+                 send: Send, stopping: Callable[[], bool] = lambda: False) -> None:
+        self.limit = limit
+        self.stopping = stopping  # the proxy is shutting down: its calls end, nothing moves
+        self.metrics = metrics
+        self.backends = backends
+        self.send = send
+
+    def to(self, flight: Flight, failed: str, decodes: list[Backend] | None = None
+           ) -> Backend | None:
+        """The engine the request goes on from, or None (its limit reached, none in
+        rotation). `decodes`: the D's it may go to (a Responses request's own)."""
+        if flight.rec.migrated >= self.limit or self.stopping():
+            return None
+        return target(failed, self.backends.ready_decode() if decodes is None else decodes,
+                      list(self.backends.ready_prefill()))
+
+    def moved(self, flight: Flight, node: Backend, how: str, why: str) -> None:
+        """The bookkeeping of one move: the serving counts go to `node`, whatever P held
+        for the request is given up, and the move is counted and logged."""
+        rec = flight.rec
+        flight.stop_serving()
+        flight.serve_on(node, holds_node=True)  # its slot is not the request's admission
+        if flight.kv is not None and flight.kv.owed:
+            flight.kv.given_up(f"its answer goes on from {node.url}")
+        rec.migrated += 1
+        rec.decode = node.url
+        self.metrics.migrations.labels(how).inc()
+        log.warning("%s %s: %s; %s %s goes on with it (%s)", rec.route, rec.request_id, why,
+                    node.role, node.url, how)
+
+    def whole(self, flight: Flight, failed: Backend, body: dict[str, Any]) -> Resume:
+        """A stream in the client's own format: asked again whole, before any of its events
+        reached the client."""
+        data = _encode(body)
+
+        async def resume(relayed: bool, why: str) -> Response | None:
+            node = None if relayed else self.to(flight, failed.url)
+            if node is None:
+                return None
+            self.moved(flight, node, "whole", why)
+            return await self.send(flight, node, flight.rec.route, data)
+        return resume
+
+    def continued(self, flight: Flight, failed: Backend, body: dict[str, Any],
+                  answer: first_token.PrefillAnswer, stream: first_token.ClientStream
+                  ) -> Resume:
+        """A stream led by P's token: the rest of it after the tokens the client has."""
+        route = flight.rec.route
+        serving = [failed.url]
+
+        async def resume(relayed: bool, why: str) -> Response | None:
+            node = self.to(flight, serving[-1])
+            if node is None or not stream.exact:
+                return None
+            sent = stream.sent()
+            data = first_token.resumed_request(body, route, answer, sent)
+            if data.get("max_tokens", 1) <= 0:
+                return None  # it had every token; only its end was lost
+            self.moved(flight, node, "continued", f"{why} after {1 + len(sent)} tokens")
+            stream.resumed(sent)
+            serving.append(node.url)
+            return await self.send(flight, node, COMPLETIONS, _encode(data))
+        return resume
