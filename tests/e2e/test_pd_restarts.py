@@ -2,7 +2,8 @@
 on CPU, the tiny model): the bootstrap sidecar restarted (requests keep flowing, P
 re-registers within its TTL), P killed while idle and restarted (D's next pulls go to the
 new P at once), the proxy killed mid-request (P's orphaned KV is freed), D
-killed mid-stream (the stream ends with an SSE error, P holds nothing), D stalled past the
+killed mid-stream (a stream that cannot go on elsewhere ends with an SSE error, P holds
+nothing), D stalled past the
 proxy's read timeout (an error, P's KV released). Each ends with every request answered,
 nothing held, and a plain server's output."""
 
@@ -223,8 +224,11 @@ async def _p_index(url: str, node, check, within: float = 30) -> dict:
 
 
 async def test_decode_killed_mid_stream(node, plain_server):
+    """A stream that cannot go on elsewhere (a stop string keeps it off the first-token
+    path: its chunks are the client's own, with no token ids; test_pd_migration.py has
+    those that can) ends with an error event, and P holds nothing."""
     expected = await _expected(plain_server, range(1))
-    body = {**_body(3, True, 400), "ignore_eos": True}
+    body = {**_body(3, True, 400), "ignore_eos": True, "stop": ["\x00never\x00"]}
     lines: list[bytes] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         async with http.post(node.spec.proxy_url + "/v1/completions", json=body) as r:
@@ -240,8 +244,10 @@ async def test_decode_killed_mid_stream(node, plain_server):
     events = [json.loads(ln[6:]) for ln in lines if ln.startswith(b"data: {")]
     assert "error" in events[-1]  # the stream said it failed, and ended
     print(f"P free {await _p_usage_zero(node, within=10):.1f} s after D was killed")
+    # At once, not a hang: P answers it whole (the D it was sent to is gone), or a 503
+    # once D is out of rotation.
     status, _, took = await timed_ask(node.spec.proxy_url, _body(0))
-    assert status >= 500 and took < BOUND_S  # at once, not a hang
+    assert took < BOUND_S
     await _restart(node.decode)
     await in_rotation(node, "decode", within=60)
     await served_from_p(node, _body(0), expected[0])  # a new D, the same P
