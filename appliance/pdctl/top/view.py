@@ -1,6 +1,7 @@
 """`pdctl top`: the node at a glance, refreshed every second: request rate and errors, what
 clients felt (TTFT, ITL, end to end at p50/p99), in flight per role, each P's and D's queue
-and KV usage, transfers per second and GB/s, fallbacks, and where requests were placed.
+and KV usage, transfers per second and GB/s, fallbacks, answers moved to another engine
+(exchange.migration), and where requests were placed.
 
 Everything comes from the proxy: its /metrics (rates and the client histograms, over the
 window between two samples), its /status (the nodes it knows, in every mode: local,
@@ -134,6 +135,7 @@ def frame(a: Sample, b: Sample) -> dict[str, Any]:
     out["errors_per_s"] = _rate(requests(a.proxy, "failed"), requests(b.proxy, "failed"), dt)
     for key, metric in (("overloaded_per_s", "pd_proxy_overloaded_total"),
                         ("fallbacks_per_s", "pd_proxy_prefill_fallbacks_total"),
+                        ("migrations_per_s", "pd_proxy_migrations_total"),
                         ("upstream_errors_per_s", "pd_proxy_upstream_errors_total")):
         out[key] = _rate(total(a.proxy, metric), total(b.proxy, metric), dt)
     out["in_flight"] = total(b.proxy, "pd_proxy_requests_in_flight")
@@ -187,13 +189,13 @@ def render(f: Mapping[str, Any], proxy_url: str) -> Group:
     if f.get("proxy_error"):
         return Group(head, Text(f"proxy: no answer ({f['proxy_error']})", style="red"))
     summary = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    for col in ("req/s", "errors/s", "429/s", "fallbacks/s", "in flight P/D",
+    for col in ("req/s", "errors/s", "429/s", "fallbacks/s", "moved/s", "in flight P/D",
                 "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms"):
         summary.add_column(col, justify="right")
     errors = f["errors_per_s"]
     summary.add_row(
         _num(f["requests_per_s"]), Text(_num(errors), style="red" if errors else ""),
-        _num(f["overloaded_per_s"]), _num(f["fallbacks_per_s"]),
+        _num(f["overloaded_per_s"]), _num(f["fallbacks_per_s"]), _num(f["migrations_per_s"]),
         f"{f['prefill_in_flight']}/{f['decode_in_flight']}",
         f"{_ms(f['ttft_p50_ms'])} / {_ms(f['ttft_p99_ms'])}",
         f"{_ms(f['itl_p50_ms'])} / {_ms(f['itl_p99_ms'])}",
