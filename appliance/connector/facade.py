@@ -56,6 +56,13 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from appliance.connector.scheduler import PDScheduler
 
+            if self.settings.side_channel_key_file:
+                from appliance.connector import kvevents
+                from appliance.sidechannel import curve
+
+                # Before vLLM's scheduler builds its KV-event publisher (right after us).
+                kvevents.install(curve.read_key(self.settings.side_channel_key_file))
+
             self.scheduler = PDScheduler(self.settings, groups,
                                          getattr(kv_cache_config, "hash_block_size", None))
         else:

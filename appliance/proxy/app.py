@@ -89,8 +89,9 @@ class Proxy:
         self.admission = Admission(settings.max_in_flight_per_decode, settings.max_queued,
                                    settings.queue_timeout_s,
                                    lambda why: self.metrics.overloaded.labels(why).inc())
-        self.releaser = KVReleaser(self.metrics,
-                                   curve_key=curve.load(settings.side_channel_key_file))
+        # The cluster's key: P's side channels and every engine's KV events are under it.
+        self.curve_key = curve.load(settings.side_channel_key_file)
+        self.releaser = KVReleaser(self.metrics, curve_key=self.curve_key)
         self.relay = Relay(settings, self.metrics, self.backends)
         # D calls waiting on a P's KV, failed over if that P goes down (unless D's own KV
         # events say the KV is there already).
@@ -126,7 +127,7 @@ class Proxy:
                                       lambda: [b.url for b in self.backends.all()],
                                       s.prefix_hash_seed, s.kv_events_resync_s,
                                       s.tokenize_timeout_s, s.tokenizer,
-                                      s.kv_block_size)
+                                      s.kv_block_size, self.curve_key)
             self.prefix.start()
         if self.settings.split == "auto":
             nodes = Nodes(self.backends.ready_prefill, self.backends.ready_decode,

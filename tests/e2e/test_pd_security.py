@@ -92,6 +92,48 @@ async def test_d_refuses_a_foreign_bootstrap_and_fetches_nothing(secure_node):
     await wait_no_blocks_held(secure_node, within=30)
 
 
+async def test_kv_events_are_read_with_the_cluster_key_alone(secure_node):
+    """D's KV events carry every cached prompt's token ids: a subscriber without the
+    cluster's key reads nothing of them, while the proxy (which holds it) reads them all
+    (appliance.connector.kvevents)."""
+    import asyncio
+
+    import zmq
+
+    spec = secure_node.spec
+    async with aiohttp.ClientSession() as http:
+        async with http.get(spec.decode_url + "/kv_event_sources") as r:
+            sources = await r.json()
+    endpoint = next(iter(sources.values()))["endpoint"]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    try:
+        before = await _d_batches(secure_node)
+        for seed in range(3):  # new prompts: D stores blocks and publishes them
+            status, _ = await _post(spec.proxy_url + "/v1/completions", _body(64, 700 + seed))
+            assert status == 200
+        for _ in range(50):
+            if await _d_batches(secure_node) > before:
+                break
+            await asyncio.sleep(0.1)
+        assert await _d_batches(secure_node) > before  # the proxy, with the key, read them
+        assert not sub.poll(500)  # the stranger, none
+    finally:
+        sub.close()
+        ctx.term()
+
+
+async def _d_batches(node) -> int:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(node.spec.proxy_url + "/status") as r:
+            status = await r.json()
+    return sum(s["batches"] for s in status["prefix"]["nodes"].get(node.spec.decode_url,
+                                                                   {}).values())
+
+
 async def test_bootstrap_needs_its_token_to_register_and_query(secure_node):
     url = secure_node.spec.bootstrap_url
     reg = {"engine_id": "intruder", "addr": "tcp://127.0.0.1:1", "dp_rank": 0, "tp_rank": 0,

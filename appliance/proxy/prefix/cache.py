@@ -17,6 +17,7 @@ from appliance.proxy.prefix.events import KVEvents
 from appliance.proxy.prefix.index import PrefixIndex
 from appliance.proxy.prefix.tokenizer import Checks, InProcess, TokenizerUnavailable
 from appliance.proxy.prefix.tokens import token_ids, tokenize_body
+from appliance.sidechannel.curve import CurveKey
 
 log = logging.getLogger("appliance.proxy.prefix")
 
@@ -56,14 +57,14 @@ class PrefixCache:
     def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str],
                  nodes: Callable[[], Iterable[str]], seed: str, resync_s: float,
                  tokenize_timeout_s: float, tokenizer: str | None = None,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, key: CurveKey | None = None) -> None:
         self.session = session
         # The engines' block size as configured: lookups predict (and `expect`) before the
         # first KV event; until then, a burst of one prefix would compute it on every node.
         self.block_size = block_size
         self.headers = headers
         self.index = PrefixIndex(seed)
-        self.events = KVEvents(self.index, nodes, session, headers, resync_s)
+        self.events = KVEvents(self.index, nodes, session, headers, resync_s, key=key)
         self.timeout = aiohttp.ClientTimeout(total=tokenize_timeout_s)
         self.tokenize_failures = 0
         self.local: InProcess | None = None

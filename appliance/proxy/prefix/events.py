@@ -8,7 +8,8 @@ entries dropped and is subscribed again. A subscription first replays the publis
 buffer from sequence 0 (what the engine stored before the proxy listened), then follows the
 live stream; a gap in sequence numbers is filled from the replay socket, and what replay
 cannot bring back drops that engine's entries (the index then under-predicts, never
-over-predicts).
+over-predicts). With the cluster's key (`side_channel_key_file`) both sockets are CURVE
+clients: the engines publish under it (appliance.connector.kvevents).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import zmq.asyncio
 
 from appliance.proxy.prefix.index import PrefixIndex, Source, seq_step
 from appliance.proxy.prefix.wire import DECODER
+from appliance.sidechannel.curve import CurveKey, set_client
 
 log = logging.getLogger("appliance.proxy.prefix")
 
@@ -57,8 +59,11 @@ def parse_sources(raw: object) -> dict[int, Endpoints]:
 class KVEvents:
     def __init__(self, index: PrefixIndex, nodes: Callable[[], Iterable[str]],
                  session: aiohttp.ClientSession, headers: dict[str, str],
-                 resync_s: float = 5.0, timeout_s: float = 2.0) -> None:
+                 resync_s: float = 5.0, timeout_s: float = 2.0,
+                 key: CurveKey | None = None) -> None:
         self.index = index
+        # The cluster's key: the engines publish under it (appliance.connector.kvevents).
+        self.key = key
         self.nodes = nodes  # the URLs of every P and D known now
         self.session = session
         self.headers = headers
@@ -145,6 +150,8 @@ class KVEvents:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
+        if self.key is not None:
+            set_client(sub, self.key)
         sub.connect(ep.events)
         try:
             # Subscribed first, so nothing published during the replay is missed.
@@ -174,6 +181,8 @@ class KVEvents:
             return
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.key is not None:
+            set_client(sock, self.key)
         sock.connect(ep.replay)
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
