@@ -4,7 +4,7 @@ appliance (P on CPU 0, D on CPU 1, its own proxy) placing by `split=always` and 
 `split=auto`, in one run; and raw throughput (each setup's best completed rate).
 
     .venv/bin/python bench/goodput.py [--workloads short,mid,long,prefix,chat]
-        [--seeds 1] [--prompts 12] [--points 3] [--log-dir DIR]
+        [--seeds 1] [--prompts 12] [--points 3] [--two-proxies] [--log-dir DIR]
 
 Workloads (the larger-KV model, its own tokenizer; `vllm bench serve`'s datasets, open
 loop, `--ignore-eos`):
@@ -19,6 +19,8 @@ rate: TTFT within 4x its median, and the worst gap within 3x its median step (ti
 prefill among running decodes breaks it) or 20x (loose). The plain server runs with the
 flags the node's engines run with on CPU (`--enforce-eager`, the same KV bytes), else vLLM's
 defaults. Every run is printed and kept as JSON under --log-dir; nothing is picked.
+With --two-proxies, `auto-2p` is auto behind two proxies (one P and D), each sent half the
+arrivals: what the engines' own load gauges buy (appliance.proxy.nodes.engineload).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -44,6 +47,7 @@ from serve import decisions, plain_setup  # noqa: E402
 from ttft import SERVED, SETTLE_S, Setup, appliance_setup  # noqa: E402
 
 from appliance import tinymodel  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 
 console = Console(stderr=True)
 MODEL = "kvbench"
@@ -74,6 +78,42 @@ WORKLOADS = {
     "chat": Workload("chat", (), (0.4, 1.6)),
 }
 SETUPS = ("plain", "always", "auto")
+TWO_PROXIES = "auto-2p"  # auto, two proxies in front of one P and D, each half the load
+
+
+def two_proxies(model: Path, log_dir: Path) -> tuple[Setup, list[str]]:
+    """`auto` with a second proxy beside the first (same P and D, same settings): the
+    setup and both proxies' URLs."""
+    setup = appliance_setup(model, log_dir, "auto", TWO_PROXIES)
+    first = setup.services[-1]
+    port = free_port()
+    argv = list(first.argv)
+    argv[argv.index("--port") + 1] = str(port)
+    url = f"http://127.0.0.1:{port}"
+    second = replace(first, name=f"{TWO_PROXIES}-proxy-b", argv=argv,
+                     log_path=log_dir / f"{TWO_PROXIES}-proxy-b.log",
+                     health_url=f"{url}/health")
+    setup.services.append(second)
+    return setup, [setup.proxy_url or "", url]
+
+
+def run_split(urls: list[str], model: Path, work: Workload, rate: float, prompts: int,
+              seed: int, out: Path) -> dict:
+    """One open-loop load shared by several proxies (each its share of the rate and the
+    prompts, its own seed), their requests merged as one run's."""
+    if len(urls) == 1:
+        return run_once(urls[0], model, work, rate, prompts, seed, out)
+    n = len(urls)
+    with ThreadPoolExecutor(n) as pool:
+        parts = list(pool.map(
+            lambda i: run_once(urls[i], model, work, rate / n, max(1, prompts // n),
+                               seed + 7777 * i, out.with_name(f"{out.stem}-{i}{out.suffix}")),
+            range(n)))
+    merged: dict = {key: [x for part in parts for x in part.get(key) or []]
+                    for key in ("ttfts", "itls", "errors")}
+    merged["request_throughput"] = sum(part["request_throughput"] for part in parts)
+    out.write_text(json.dumps(merged))
+    return merged
 
 
 def run_once(url: str, model: Path, work: Workload, rate: float, prompts: int, seed: int,
@@ -110,10 +150,15 @@ class Sweep:
         return slo.slos_from(slo.Detail.of(self.runs["plain"][self.rates[0]]))
 
 
-def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path) -> Sweep:
+def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path,
+          with_two: bool = False) -> Sweep:
     model = tinymodel.build(ROOT / ".cache" / "models" / MODEL, MODEL)
     setups: list[Setup] = [plain_setup(model, log_dir),
                            *(appliance_setup(model, log_dir, split, split) for split in SETUPS[1:])]
+    urls = {s.name: [s.proxy_url or s.plain_url or ""] for s in setups}
+    if with_two:
+        two, urls[TWO_PROXIES] = two_proxies(model, log_dir)
+        setups.append(two)
     rates = slo.geometric_rates(*work.rates, points)
     result = Sweep(work, seed, rates, {}, {s.name: {} for s in setups}, {})
     started: list[Setup] = []
@@ -122,14 +167,14 @@ def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path) -
             console.log(f"{work.name} seed {seed}: starting {setup.name}")
             setup.start()
             started.append(setup)
-        url = {s.name: s.proxy_url or s.plain_url or "" for s in setups}
+        url = {name: u[0] for name, u in urls.items()}
         for phase, rate, run_seed in (("cold", rates[0], seed + 500),
                                       ("warm-up", rates[-1], seed + 900)):
             for setup in setups:
                 time.sleep(SETTLE_S)
                 console.log(f"{work.name} seed {seed}: {phase} at {rate:g}/s, {setup.name}")
-                got = run_once(url[setup.name], model, work, rate, prompts, run_seed,
-                               log_dir / f"{work.name}-{seed}-{setup.name}-{phase}.json")
+                got = run_split(urls[setup.name], model, work, rate, prompts, run_seed,
+                                log_dir / f"{work.name}-{seed}-{setup.name}-{phase}.json")
                 if phase == "cold":
                     result.cold[setup.name] = got
         before, _ = decisions(url["auto"])
@@ -137,8 +182,8 @@ def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path) -
             for setup in setups if i % 2 == 0 else reversed(setups):
                 time.sleep(SETTLE_S)
                 console.log(f"{work.name} seed {seed}: {rate:g}/s, {setup.name}")
-                result.runs[setup.name][rate] = run_once(
-                    url[setup.name], model, work, rate, prompts, seed * 10 + i,
+                result.runs[setup.name][rate] = run_split(
+                    urls[setup.name], model, work, rate, prompts, seed * 10 + i,
                     log_dir / f"{work.name}-{seed}-{setup.name}-{rate:g}.json")
         after, why = decisions(url["auto"])
         result.placed = {k: v - before.get(k, 0.0) for k, v in after.items()}
@@ -211,13 +256,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12, help="requests per run")
     parser.add_argument("--points", type=int, default=3, help="arrival rates per sweep")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-goodput"))
+    parser.add_argument("--two-proxies", action="store_true",
+                        help=f"also {TWO_PROXIES}: auto with two proxies in front of one P and "
+                             f"D, each sent half the load")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     summaries = []
     for name in args.workloads.split(","):
         for seed in (int(x) for x in args.seeds.split(",")):
-            sm = summary(sweep(WORKLOADS[name], seed, args.prompts, args.points, args.log_dir))
+            sm = summary(sweep(WORKLOADS[name], seed, args.prompts, args.points, args.log_dir,
+                               args.two_proxies))
             (args.log_dir / f"summary-{name}-{seed}.json").write_text(json.dumps(sm, indent=1))
             summaries.append(sm)
             print_table(sm)  # as each ends: a long run shows what it has so far
