@@ -24,7 +24,12 @@ from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.bodies import uuid4_str
 from appliance.proxy.flight import Flight
 from appliance.proxy.nodes.backends import Backend, PrefillBackend
-from appliance.proxy.openai_api import RESPONSES, parse_request, seeded_sampling
+from appliance.proxy.openai_api import (
+    RESPONSES,
+    batched_prompts,
+    parse_request,
+    seeded_sampling,
+)
 from appliance.proxy.placement import Decision
 from appliance.proxy.placement.rule import serve_whole
 from appliance.proxy.prefix.cache import Lookup
@@ -190,10 +195,13 @@ class Entry:
     def _overrule(body: dict[str, Any], turn: Turn | None, p: PrefillBackend,
                   d: Backend) -> Callable[[Decision], Decision] | None:
         """What placement must respect: a Responses request's own limits; a seeded sampled
-        request served whole, so its random stream is one engine's, as on a plain server."""
+        request served whole, so its random stream is one engine's, as on a plain server; a
+        batch of prompts served whole (one transfer id cannot carry several prefills)."""
         if turn is not None:
             return turn.overrule(p, d)
-        return serve_whole("seeded") if seeded_sampling(body) else None
+        if seeded_sampling(body):
+            return serve_whole("seeded")
+        return serve_whole("batch") if batched_prompts(body) else None
 
     def _place(self, body: dict[str, Any], flight: Flight, p: Backend, d: Backend,
                size: tuple[int, int],

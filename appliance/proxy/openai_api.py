@@ -52,6 +52,15 @@ def seeded_sampling(body: dict[str, Any]) -> bool:
     return not isinstance(temperature, (int, float)) or temperature > 0
 
 
+def batched_prompts(body: dict[str, Any]) -> bool:
+    """A completions request of several prompts: vLLM runs one engine request per prompt,
+    and every one of P's would carry the request's one transfer id (only the first could
+    be sent; D would recompute the rest)."""
+    prompt = body.get("prompt")
+    return (isinstance(prompt, list) and len(prompt) > 1
+            and not all(type(t) is int for t in prompt))
+
+
 def text_only(message: Any) -> bool:
     """A chat message whose content is text alone (a string or text parts)."""
     if not isinstance(message, dict):

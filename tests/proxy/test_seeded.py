@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.proxy.openai_api import seeded_sampling
+from appliance.proxy.openai_api import batched_prompts, seeded_sampling
 from tests.proxy.conftest import MakeCluster
 
 
@@ -37,3 +37,23 @@ async def test_split_always_serves_a_seeded_sampled_request_on_d_alone(
     assert c.decode[0].bodies()[-1]["kv_transfer_params"]["do_remote_prefill"] is True
     metrics = await c.metrics()
     assert 'pd_proxy_split_decisions_total{decision="local",reason="seeded"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("prompt,batch", [
+    (["one", "two"], True), ([[1, 2], [3]], True), (["one"], False), ([1, 2, 3], False),
+    ("one", False),
+])
+def test_which_requests_are_batches(prompt, batch: bool) -> None:
+    assert batched_prompts({"prompt": prompt}) is batch
+
+
+async def test_split_always_serves_a_batch_of_prompts_on_d_alone(
+        make_cluster: MakeCluster) -> None:
+    """vLLM runs one engine request per prompt: one transfer id cannot carry them all."""
+    c = await make_cluster(split="always")
+    body = {"model": "tiny", "prompt": ["hello", "world"], "max_tokens": 8, "temperature": 0}
+    assert (await c.post(body=body))[0] == 200
+    assert c.prefill[0].received == []
+    assert "kv_transfer_params" not in c.decode[0].bodies()[-1]
+    metrics = await c.metrics()
+    assert 'pd_proxy_split_decisions_total{decision="local",reason="batch"} 1.0' in metrics
