@@ -254,6 +254,9 @@ class FakeVLLM(FakeServer):
         if responses:
             return await self._respond(request, rec)
         if not rec.body.get("stream"):
+            if self.die_after is not None:  # killed while it decodes a whole answer
+                await _crash(request)
+                return web.Response()
             full = _full(self.name, chat, self.finish_reason, rec.body.get("max_tokens"))
             if rec.body.get("return_token_ids"):  # as vLLM: chat puts the prompt's at the top
                 ids = {"token_ids": [7] if rec.body.get("max_tokens") == 1 else [7, 8, 9, 10]}

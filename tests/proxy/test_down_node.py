@@ -139,3 +139,18 @@ async def test_with_no_other_decode_node_the_request_still_ends_at_once(
     c.decode[0].healthy = False
     status, answer, _ = await asyncio.wait_for(task, 10)
     assert status == 502 and "is down" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("split", ["always", "never"])
+async def test_a_decode_node_killed_mid_whole_answer_p_answers_it(make_cluster: MakeCluster,
+                                                                 split: str) -> None:
+    """D's connection closes before its whole answer came: nothing reached the client, so
+    P (the only other engine) answers the request whole."""
+    c = await make_cluster(split=split)
+    c.decode[0].die_after = 0
+    status, answer, _ = await c.post()
+    assert status == 200 and answer["choices"][0]["text"] == "t0 t1 t2 t3", answer
+    whole = c.prefill[0].bodies()[-1]
+    assert "kv_transfer_params" not in whole and whole["max_tokens"] != 1
+    metrics = await (await c.http.get(f"{c.url}/metrics")).text()
+    assert 'pd_proxy_migrations_total{how="whole"} 1.0' in metrics

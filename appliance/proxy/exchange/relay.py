@@ -62,6 +62,8 @@ class Relay:
         if exc.kind == "connect":
             self.backends.mark_failed(d, str(exc))
             return NodeDown(d.url, f"{d.role} node {d.url} unreachable: {exc}")
+        if exc.broken:  # before its answer: another node may answer it (Paths.elsewhere)
+            return NodeDown(d.url, f"{d.role} node {d.url} failed: {exc}")
         return ProxyError(502, f"{d.role} node {d.url} failed: {exc}")
 
     async def _head(self, d: Backend, upstream: Response, retry: Retry) -> Response:
@@ -117,7 +119,7 @@ class Relay:
                     raise NodeDown(d.url, str(exc)) from None
                 self.metrics.upstream_errors.labels(d.role, d.url, exc.kind).inc()
                 message = f"{d.role} node {d.url} failed mid-answer: {exc}"
-                if exc.kind == "failed":  # it broke off: another engine may answer it whole
+                if exc.broken:  # it broke off: another engine may answer it whole
                     raise NodeDown(d.url, message) from None
                 raise ProxyError(502, message) from None
             self._first_byte(flight, stream=False)

@@ -38,11 +38,13 @@ _HEAD_LIMIT = 64 * 1024
 
 class UpstreamError(Exception):
     """The call failed; `kind` is "connect", "timeout", "down" (its node failed its health
-    checks) or "failed"."""
+    checks) or "failed"; `broken`: the node closed the connection before its answer ended
+    (it died, or was cut off): another node may serve what reached no client."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, broken: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
+        self.broken = broken
 
 
 class Connection(asyncio.Protocol):
@@ -193,7 +195,8 @@ class Response:
                 # Not sent again: the node may have read the request (see the module doc).
                 where = "mid-body" if self.head_done else "before answering"
                 self._fail(UpstreamError(
-                    "failed", f"connection closed {where}" + (f": {exc}" if exc else "")))
+                    "failed", f"connection closed {where}" + (f": {exc}" if exc else ""),
+                    broken=True))
         self.pool.active.discard(self)
         self._wake()
 
