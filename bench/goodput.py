@@ -237,15 +237,17 @@ def print_table(sm: dict) -> None:
     for name, row in sm["setups"].items():
         cells = []
         for x in sm["slos"]:
-            cells += [f"{row[f'{x}_goodput']:g}", slo.ratio(row[f"{x}_goodput"],
-                                                            plain[f"{x}_goodput"]),
+            # At the sweep's highest rate: at least that (the sweep did not find the limit).
+            top = "≥" if row[f"{x}_goodput"] >= sm["rates"][-1] else ""
+            cells += [f"{top}{row[f'{x}_goodput']:g}", slo.ratio(row[f"{x}_goodput"],
+                                                                 plain[f"{x}_goodput"]),
                       " ".join(f"{v:.0%}" for v in row[f"{x}_attainment"].values()),
                       f"{row[f'{x}_cold_attainment']:.0%}"]
         cells += [f"{row['throughput']:.2f}", slo.ratio(row["throughput"], plain["throughput"]),
                   f"{row['cold_throughput']:.2f}",
                   slo.ratio(row["cold_throughput"], plain["cold_throughput"])]
         table.add_row(name, *cells)
-    Console().print(table)
+    Console(width=220).print(table)  # one row a setup, even into a file
 
 
 def main() -> None:
@@ -259,7 +261,13 @@ def main() -> None:
     parser.add_argument("--two-proxies", action="store_true",
                         help=f"also {TWO_PROXIES}: auto with two proxies in front of one P and "
                              f"D, each sent half the load")
+    parser.add_argument("--render", action="store_true",
+                        help="print the tables of the runs kept under --log-dir; run nothing")
     args = parser.parse_args()
+    if args.render:
+        for path in sorted(args.log_dir.glob("summary-*.json")):
+            print_table(json.loads(path.read_text()))
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     summaries = []
