@@ -1,8 +1,9 @@
 """A frozen node (SIGSTOP: it accepts connections and answers nothing), the failure SREs
 meet most: the proxy finds it from its health checks within seconds and no client waits for
 a timeout. P frozen: its requests go to D alone, with a plain server's output. D frozen:
-its requests end with an error. Thawed, the node is back in rotation, serves from P's KV
-again, and nothing stays held."""
+its requests go on from P (exchange.migration), whole or after P's token, with a plain
+server's output. Thawed, the node is back in rotation, serves from P's KV again, and
+nothing stays held."""
 
 from __future__ import annotations
 
@@ -58,23 +59,24 @@ async def test_frozen_prefill_node_requests_go_to_decode_within_seconds(pd_node,
     await wait_no_blocks_held(pd_node, within=60)
 
 
-async def test_frozen_decode_node_requests_end_with_an_error_within_seconds(pd_node,
-                                                                          plain_server):
-    expected = text_of(await plain_request(plain_server, "/v1/completions", _body(9)))
+async def test_frozen_decode_node_requests_go_on_from_p_within_seconds(pd_node,
+                                                                       plain_server):
+    expected = {i: text_of(await plain_request(plain_server, "/v1/completions", _body(i)))
+                for i in (5, 6, 7, 9)}
     _freeze(pd_node.decode)
     try:
         results = await asyncio.gather(*(timed_ask(pd_node.spec.proxy_url, _body(i, stream))
                                           for i, stream in ((5, False), (6, True), (7, True))))
     finally:
         _thaw(pd_node.decode)
-    print(f"D frozen: ended within {max(r[2] for r in results):.1f} s")
-    for status, raw, took in results:
-        assert took < BOUND_S, (status, raw[:200])
-        assert status >= 500 or '"error"' in raw, (status, raw[:200])
+    print(f"D frozen: answered within {max(r[2] for r in results):.1f} s")
+    for i, (status, text, took) in zip((5, 6, 7), results, strict=True):
+        assert took < BOUND_S, (status, text[:200])
+        assert (status, text) == (200, expected[i])
     await in_rotation(pd_node, "decode")
     got = await plain_request(pd_node.spec.proxy_url, "/v1/completions", _body(9))
-    assert text_of(got) == expected
-    await wait_no_blocks_held(pd_node, within=60)  # P's KV for the failed ones was released
+    assert text_of(got) == expected[9]
+    await wait_no_blocks_held(pd_node, within=60)  # P's KV for the moved ones was released
 
 
 async def test_frozen_prefill_node_costs_decodes_that_have_their_kv_nothing(pd_node,
