@@ -41,13 +41,19 @@ _encode = msgspec.json.encode
 Send = Callable[[Flight, Backend, str, bytes], Awaitable[Response]]
 
 
-def target(failed: str, decodes: list[Backend], prefills: list[Backend]) -> Backend | None:
-    """Where a broken answer goes on: the least busy other D in rotation, else a P."""
+def _least_busy(nodes: list[Backend]) -> Backend:
+    return min(nodes, key=lambda b: (b.in_flight, b.decodes))
+
+
+def target(failed: str, decodes: list[Backend], prefills: list[Backend],
+           pick: Callable[[list[Backend]], Backend] = _least_busy) -> Backend | None:
+    """Where a broken answer goes on: another D in rotation (by `pick`), else the least
+    busy P."""
     others = [b for b in decodes if b.url != failed]
     if others:
-        return min(others, key=lambda b: (b.in_flight, b.decodes))
+        return pick(others)
     ps = [b for b in prefills if b.url != failed]
-    return min(ps, key=lambda b: (b.in_flight, b.decodes)) if ps else None
+    return _least_busy(ps) if ps else None
 
 
 class Migration:
@@ -59,14 +65,15 @@ class Migration:
         self.backends = backends
         self.send = send
 
-    def to(self, flight: Flight, failed: str, decodes: list[Backend] | None = None
-           ) -> Backend | None:
-        """The engine the request goes on from, or None (its limit reached, none in
-        rotation). `decodes`: the D's it may go to (a Responses request's own)."""
+    def to(self, flight: Flight, failed: str, decodes: list[Backend] | None = None,
+           pick: Callable[[list[Backend]], Backend] = _least_busy) -> Backend | None:
+        """The engine the request goes on from, or None (its limit reached, the proxy
+        stopping, none in rotation). `decodes`: the D's it may go to (default: those in
+        rotation), chosen by `pick` (the proxy's routing policy, where the caller has it)."""
         if flight.rec.migrated >= self.limit or self.stopping():
             return None
         return target(failed, self.backends.ready_decode() if decodes is None else decodes,
-                      list(self.backends.ready_prefill()))
+                      list(self.backends.ready_prefill()), pick)
 
     def moved(self, flight: Flight, node: Backend, how: str, why: str) -> None:
         """The bookkeeping of one move: the serving counts go to `node`, whatever P held
@@ -74,7 +81,7 @@ class Migration:
         rec = flight.rec
         flight.stop_serving()
         flight.serve_on(node, holds_node=True)  # its slot is not the request's admission
-        if flight.kv is not None and flight.kv.owed:
+        if flight.kv is not None:
             flight.kv.given_up(f"its answer goes on from {node.url}")
         rec.migrated += 1
         rec.decode = node.url
@@ -100,10 +107,11 @@ class Migration:
                   ) -> Resume:
         """A stream led by P's token: the rest of it after the tokens the client has."""
         route = flight.rec.route
-        serving = [failed.url]
+        serving = failed.url  # the engine that broke off last
 
         async def resume(relayed: bool, why: str) -> Response | None:
-            node = self.to(flight, serving[-1])
+            nonlocal serving
+            node = self.to(flight, serving)
             if node is None or not stream.exact:
                 return None
             sent = stream.sent()
@@ -112,6 +120,6 @@ class Migration:
                 return None  # it had every token; only its end was lost
             self.moved(flight, node, "continued", f"{why} after {1 + len(sent)} tokens")
             stream.resumed(sent)
-            serving.append(node.url)
+            serving = node.url
             return await self.send(flight, node, COMPLETIONS, _encode(data))
         return resume

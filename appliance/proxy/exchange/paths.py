@@ -332,9 +332,7 @@ class Paths:
         before the client's first byte: another D serves it alone, or else a P, within
         `migration_limit` (a rollout's old D, sent a request as it stopped, loses nothing).
         Whatever P held for it is given up. None: the 502 stands."""
-        others = [b for b in decodes if b.url != down.url]
-        node = (None if flight.rec.migrated >= self.migration.limit or self.migration.stopping()
-                else pick(others) if others else self.migration.to(flight, down.url, []))
+        node = self.migration.to(flight, down.url, decodes, pick)
         if node is None:
             raise down
         # Its prefill will not happen where it was queued.
