@@ -4,7 +4,8 @@ appliance (P on CPU 0, D on CPU 1, its own proxy) placing by `split=always` and 
 `split=auto`, in one run; and raw throughput (each setup's best completed rate).
 
     .venv/bin/python bench/goodput.py [--workloads short,mid,long,prefix,chat]
-        [--seeds 1] [--prompts 12] [--points 3] [--two-proxies] [--log-dir DIR]
+        [--seeds 1] [--prompts 12] [--points 3] [--rate-scale 1] [--two-proxies]
+        [--log-dir DIR]
 
 Workloads (the larger-KV model, its own tokenizer; `vllm bench serve`'s datasets, open
 loop, `--ignore-eos`):
@@ -151,7 +152,7 @@ class Sweep:
 
 
 def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path,
-          with_two: bool = False) -> Sweep:
+          with_two: bool = False, scale: float = 1.0) -> Sweep:
     model = tinymodel.build(ROOT / ".cache" / "models" / MODEL, MODEL)
     setups: list[Setup] = [plain_setup(model, log_dir),
                            *(appliance_setup(model, log_dir, split, split) for split in SETUPS[1:])]
@@ -159,7 +160,7 @@ def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path,
     if with_two:
         two, urls[TWO_PROXIES] = two_proxies(model, log_dir)
         setups.append(two)
-    rates = slo.geometric_rates(*work.rates, points)
+    rates = slo.geometric_rates(work.rates[0], work.rates[1] * scale, points)
     result = Sweep(work, seed, rates, {}, {s.name: {} for s in setups}, {})
     started: list[Setup] = []
     try:
@@ -261,6 +262,9 @@ def main() -> None:
     parser.add_argument("--two-proxies", action="store_true",
                         help=f"also {TWO_PROXIES}: auto with two proxies in front of one P and "
                              f"D, each sent half the load")
+    parser.add_argument("--rate-scale", type=float, default=1.0,
+                        help="multiplies each workload's highest arrival rate (the SLOs "
+                             "come from its lowest, which stays)")
     parser.add_argument("--render", action="store_true",
                         help="print the tables of the runs kept under --log-dir; run nothing")
     args = parser.parse_args()
@@ -274,7 +278,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         for seed in (int(x) for x in args.seeds.split(",")):
             sm = summary(sweep(WORKLOADS[name], seed, args.prompts, args.points, args.log_dir,
-                               args.two_proxies))
+                               args.two_proxies, args.rate_scale))
             (args.log_dir / f"summary-{name}-{seed}.json").write_text(json.dumps(sm, indent=1))
             summaries.append(sm)
             print_table(sm)  # as each ends: a long run shows what it has so far

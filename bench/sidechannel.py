@@ -1,11 +1,13 @@
 """`bench/transfer.py --auth both`: the connector's whole side-channel path with CURVE off and
-on, side by side in one run.
+on, side by side in one run; `--verify both`: the same with D checking none of its pulls
+against P's digest (`verify_kv = off`) and all of them (`all`).
 
 One process, one event loop, as a P worker and a D worker would each run theirs: a real
 Sender and Receiver per mode, each mode with its own bootstrap sidecar, both modes sharing
 one pair of Mooncake engines and KV caches, so the only difference is the side channel. One
 transfer: P's KV is ready, D asks (request over ZMQ), P's Mooncake batch write, P's FINISH
-reply, D reports the request received. Timed from D's ask to D's report; the first transfer
+reply (with its digest, when D asked), D sums what landed and reports the request received.
+Timed from D's ask to D's report; the first transfer
 of each mode (sidecar lookup, connect, CURVE handshake, layout) is reported apart. Modes
 alternate, their order rotating, so drift and neighbours hit both alike.
 """
@@ -20,7 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MODES = ("off", "on")
+# Each comparison: its two modes, the settings each adds, and what its table is called.
+COMPARISONS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
+    "auth": ("CURVE", {"off": {}, "on": {"side_channel_key_file": "KEY"}}),
+    "verify": ("verify_kv", {"off": {"verify_kv": "off"}, "all": {"verify_kv": "all"}}),
+}
 
 
 def _receiver_class() -> type:
@@ -43,13 +49,13 @@ def _receiver_class() -> type:
 
 
 class _Mode:
-    def __init__(self, name: str, url: str, key_file: str | None, p: Any, d: Any) -> None:
+    def __init__(self, name: str, url: str, extra: dict[str, Any], p: Any, d: Any) -> None:
         from appliance.connector.settings import ConnectorSettings
         from appliance.connector.stats import TransferStats
         from appliance.connector.transfers.sender import Sender
 
         common = {"bootstrap_addr": url, "host": "127.0.0.1", "register_interval_s": 0.5,
-                  "side_channel_key_file": key_file}
+                  **extra}
         self.name, self.url, self.engine = name, url, f"p-{name}"
         self.sender = Sender(ConnectorSettings(engine_id=self.engine, role="producer",
                                                **common), p.transport, p.regions, "127.0.0.1",
@@ -122,7 +128,7 @@ async def _registered(url: str) -> None:
 
 
 async def _measure(kv_cache: Callable[..., Any], shape: Any, reps: int,
-                   modes: tuple[str, ...], key_file: str) -> dict[str, Any]:
+                   modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)  # see PSide: two OpenMP threads on 2 shared cores stall
@@ -135,10 +141,10 @@ async def _measure(kv_cache: Callable[..., Any], shape: Any, reps: int,
     }
     runners, running = [], []
     try:
-        for name in modes:
+        for name, extra in modes.items():
             runner, url = await _sidecar()
             runners.append(runner)
-            mode = _Mode(name, url, key_file if name == "on" else None, p, d)
+            mode = _Mode(name, url, extra, p, d)
             running.append(mode)
             await mode.sender.start()
             await _registered(url)
@@ -150,8 +156,9 @@ async def _measure(kv_cache: Callable[..., Any], shape: Any, reps: int,
             for case, (src, dst) in cases.items():
                 for mode in order:
                     times[case][mode.name].append(await mode.transfer(src, dst))
-        paired = {c: statistics.median(on / off for on, off in zip(
-                      t["on"], t["off"], strict=True)) if len(t) == 2 else None
+        base, other = (list(modes) * 2)[:2]
+        paired = {c: statistics.median(b / a for a, b in zip(
+                      t[base], t[other], strict=True)) if len(t) == 2 else None
                   for c, t in times.items()}
         return {"first": first, "paired": paired,
                 "median": {c: {m: statistics.median(v) for m, v in t.items()}
@@ -168,37 +175,43 @@ async def _measure(kv_cache: Callable[..., Any], shape: Any, reps: int,
         d.transport.close()
 
 
-def report(kv_cache: Callable[..., Any], shape: Any, reps: int, auth: str) -> None:
-    """`kv_cache(shape, num_blocks, fill)`: bench/transfer.py's cache, in vLLM's layout."""
+def report(kv_cache: Callable[..., Any], shape: Any, reps: int, what: str,
+           choice: str) -> None:
+    """`kv_cache(shape, num_blocks, fill)`: bench/transfer.py's cache, in vLLM's layout;
+    `what`: a COMPARISONS key; `choice`: one of its modes, or "both"."""
     from rich.console import Console
     from rich.table import Table
 
     from appliance.sidechannel.curve import generate_secret
 
-    modes = MODES if auth == "both" else (auth,)
+    label, all_modes = COMPARISONS[what]
     with tempfile.TemporaryDirectory() as tmp:
         key_file = Path(tmp) / "side-channel.key"
         key_file.write_text(generate_secret() + "\n")
+        modes = {name: {k: str(key_file) if v == "KEY" else v for k, v in extra.items()}
+                 for name, extra in all_modes.items() if choice in (name, "both")}
         start = time.perf_counter()
-        res = asyncio.run(_measure(kv_cache, shape, reps, modes, str(key_file)))
-    table = Table(title="Side channel, CURVE off vs on: D asks, P writes (Mooncake TCP "
-                  "loopback), P answers FINISH, D reports; one process")
-    both = auth == "both"
-    # on/off: of the medians; paired: the median of each repetition's on/off, which the
+        res = asyncio.run(_measure(kv_cache, shape, reps, modes))
+    names = list(modes)
+    ratio = f"{names[-1]}/{names[0]}"
+    table = Table(title=f"Side channel, {label} {' vs '.join(names)}: D asks, P writes "
+                  "(Mooncake TCP loopback), P answers FINISH, D reports; one process")
+    both = len(names) == 2
+    # The ratio of the medians; paired: the median of each repetition's ratio, which the
     # drift of a shared machine between repetitions does not move.
-    for col in ("transfer", "MiB", *(f"CURVE {m} ms" for m in modes),
-                *(["on/off", "paired"] if both else []), "reps"):
+    for col in ("transfer", "MiB", *(f"{label} {m} ms" for m in names),
+                *([ratio, "paired"] if both else []), "reps"):
         table.add_column(col, justify="left" if col == "transfer" else "right")
     for case, med in res["median"].items():
         table.add_row(case, f"{res['bytes'][case] / (1 << 20):.2f}",
-                      *(f"{med[m] * 1e3:.2f}" for m in modes),
-                      *([f"{med['on'] / med['off']:.3f}", f"{res['paired'][case]:.3f}"]
+                      *(f"{med[m] * 1e3:.2f}" for m in names),
+                      *([f"{med[names[1]] / med[names[0]]:.3f}", f"{res['paired'][case]:.3f}"]
                         if both else []),
                       str(res["reps"]))
     table.add_section()
     table.add_row("first (lookup, connect, handshake, layout)", "",
-                  *(f"{res['first'][m] * 1e3:.2f}" for m in modes),
-                  *([f"{res['first']['on'] / res['first']['off']:.3f}", ""] if both else []),
-                  "1")
+                  *(f"{res['first'][m] * 1e3:.2f}" for m in names),
+                  *([f"{res['first'][names[1]] / res['first'][names[0]]:.3f}", ""]
+                    if both else []), "1")
     Console(width=160).print(table)
-    print(f"target: on/off <= 1.05 (median time); run took {time.perf_counter() - start:.0f} s")
+    print(f"target: {ratio} <= 1.05 (median time); run took {time.perf_counter() - start:.0f} s")

@@ -16,6 +16,7 @@ Usage: .venv/bin/python bench/transfer.py [--reps 7] [--layers 36] [--blocks 63]
        bench/transfer.py --model all  (MLA, sliding window, TP 1->2 and 2->1: bench/kvcases)
        bench/transfer.py --auth both  (the whole side-channel path, CURVE off vs on:
                                        bench/sidechannel)
+       bench/transfer.py --verify both  (the same path, verify_kv off vs all)
 """
 
 from __future__ import annotations
@@ -303,6 +304,9 @@ def main() -> None:
                     help="instead: a full transfer through a real Sender and Receiver (request, "
                     "write, FINISH), the side channel without CURVE, with it, or both side by "
                     "side (bench/sidechannel.py)")
+    ap.add_argument("--verify", choices=["off", "all", "both"],
+                    help="instead: the same full transfer with D checking no pull against "
+                    "P's digest (verify_kv off), every one (all), or both side by side")
     args = ap.parse_args()
     if args.model:
         report(list(CASES) if "all" in args.model else args.model, args.reps, args.small)
@@ -320,10 +324,11 @@ def main() -> None:
         args.d_first,
         args.device,
     )
-    if args.auth:
-        from sidechannel import report as auth_report
+    if args.auth or args.verify:
+        from sidechannel import report as path_report
 
-        auth_report(kv_cache, shape, args.reps, args.auth)
+        path_report(kv_cache, shape, args.reps, "auth" if args.auth else "verify",
+                    args.auth or args.verify)
         return
     slices = args.slice or ["default", "1048576"]
     start = time.perf_counter()

@@ -90,6 +90,10 @@ class ConnectorSettings(BaseModel):
     # waits for them instead of computing the shared prefix again
     # (appliance.connector.prefixwait). False: vLLM's own behaviour.
     shared_prefix_wait: bool = True
+    # Consumer: which pulls D checks before a step reads their KV (transfers/digest.py): P
+    # sends a digest of what it wrote, D sums what landed, a mismatch is recomputed here
+    # (vLLM's load-failure policy), counted. "sample": one pull in 16.
+    verify_kv: Literal["off", "sample", "all"] = "sample"
     # Descriptors per batch write to one peer (Mooncake TCP rejects very large batches).
     max_batch_descs: int = Field(1024, ge=1)
     # Consumer: if set, only these bootstrap addresses may be named by a request.

@@ -22,7 +22,8 @@ REJECT_REASONS = ("auth", "handshake", "invalid", "size", "entries", "blocks", "
 TRANSPORTS = ("tcp", "rdma")
 _COUNTERS = ("transfers", "bytes", "descriptors", "seconds", "failures", "expired",
              "recv_ok", "recv_failed", "rejected", *(f"rejected_{r}" for r in REJECT_REASONS),
-             "peers_opened", "peers_closed", *(f"transport_{t}" for t in TRANSPORTS))
+             "peers_opened", "peers_closed", *(f"transport_{t}" for t in TRANSPORTS),
+             "verified", "digest_mismatches", "unverified")
 
 
 @dataclass
@@ -53,6 +54,8 @@ class PDConnectorStats(KVConnectorStats):
             "received": d["recv_ok"],
             "failed_receives": d["recv_failed"],
             "rejected_messages": d["rejected"],
+            **({"verified": d["verified"], "digest_mismatches": d["digest_mismatches"]}
+               if d["verified"] or d["digest_mismatches"] else {}),
             **{f"rejected_{r}": d[f"rejected_{r}"] for r in REJECT_REASONS
                if d.get(f"rejected_{r}")},
         }
@@ -89,6 +92,11 @@ class TransferStats:
     def record_recv(self, ok: bool) -> None:
         self._add(**({"recv_ok": 1} if ok else {"recv_failed": 1}))
 
+    def record_verify(self, outcome: str) -> None:
+        """A checked pull: "verified", "digest_mismatches" or "unverified" (no digest)."""
+        assert outcome in ("verified", "digest_mismatches", "unverified"), outcome
+        self._add(**{outcome: 1})
+
     def record_peer(self, opened: bool) -> None:
         self._add(**({"peers_opened": 1} if opened else {"peers_closed": 1}))
 
@@ -120,6 +128,12 @@ PROM_COUNTERS = {
                     "Requests whose KV did not arrive (recomputed or failed by policy)."),
     "rejected": ("vllm:pd_side_channel_rejected",
                  "Side-channel handshakes and messages this prefill server refused."),
+    "verified": ("vllm:pd_kv_verified",
+                 "Pulls whose KV this decode server checked against P's digest (verify_kv)."),
+    "digest_mismatches": ("vllm:pd_kv_digest_mismatches",
+                          "Pulls whose KV did not match P's digest: recomputed, never used."),
+    "unverified": ("vllm:pd_kv_unverified",
+                   "Pulls chosen for a check that P sent no digest for (accepted unchecked)."),
     "peers_opened": ("vllm:pd_side_channel_peers_opened",
                      "Side-channel sockets this decode server opened to prefill workers."),
     "peers_closed": ("vllm:pd_side_channel_peers_closed",

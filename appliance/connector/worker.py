@@ -24,6 +24,7 @@ from appliance.connector.planning.tpplan import head_major
 from appliance.connector.settings import ConnectorSettings
 from appliance.connector.sidechannel.loop import LoopThread
 from appliance.connector.stats import PDConnectorStats, TransferStats
+from appliance.connector.transfers.digest import digester_for
 from appliance.connector.transfers.transport import Transport
 
 if TYPE_CHECKING:
@@ -217,7 +218,8 @@ class PDWorker:
 
         sender = Sender(self.settings, self.transport, regions, self.host, self.tp_rank,
                         self.tp_size, self.dp_rank, self.stats,
-                        thread_init=thread_binder(self._device), total_heads=self.total_heads)
+                        thread_init=thread_binder(self._device), total_heads=self.total_heads,
+                        digester=digester_for(self._device))
         await sender.start()
         return sender
 
@@ -225,7 +227,8 @@ class PDWorker:
         from appliance.connector.transfers.receiver import Receiver
 
         return Receiver(self.settings, self.transport, regions, self.host, self.tp_rank,
-                        self.tp_size, self.stats, total_heads=self.total_heads)
+                        self.tp_size, self.stats, total_heads=self.total_heads,
+                        digester=digester_for(self._device))
 
     # --- per step -------------------------------------------------------------------------
     #

@@ -71,7 +71,9 @@ PANELS: tuple[Panel, ...] = (
         Query("sum by (reason) (rate(pd_proxy_prefill_fallbacks_total[1m])) or vector(0)",
               "fallback {{reason}}"),
         Query("sum(rate(vllm:pd_kv_failed_transfers_total[1m])) or vector(0)",
-              "failed transfers"))),
+              "failed transfers"),
+        Query("sum(rate(vllm:pd_kv_digest_mismatches_total[1m])) or vector(0)",
+              "KV digest mismatches (recomputed)"))),
     Panel("Nodes in rotation", "short", (
         Query("sum by (role) (pd_proxy_backend_up)", "{{role}}"),)),
 )

@@ -85,6 +85,8 @@ class ReqEntry(msgspec.Struct, array_like=True, frozen=True):
     # Milliseconds D will still wait when it sends this (0: no deadline). P starts no write
     # after it, so a D that gave up and reused the blocks is never written into.
     deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
+    # D checks what lands (`verify_kv`): P answers with a digest of the bytes it wrote.
+    digest: bool = False
 
 
 class TransferRequest(msgspec.Struct, tag="xreq", omit_defaults=True, frozen=True):
@@ -180,8 +182,13 @@ class TransferResponse(msgspec.Struct, tag="xresp", omit_defaults=True, frozen=T
     failed: dict[Id, Annotated[str, msgspec.Meta(max_length=_MAX_ID)]] = {}
     message: Annotated[str, msgspec.Meta(max_length=_MAX_ID)] = ""
     layout_id: U63 = 0
+    # For requests in ``ok`` that asked for one: the digest of the bytes this worker wrote
+    # (appliance.connector.transfers.digest); absent when it could not make one.
+    digests: dict[Id, Annotated[int, msgspec.Meta(ge=0)]] = {}  # msgpack: at most 2^64-1
 
     def validate(self) -> None:
+        if set(self.digests) - set(self.ok):
+            raise MessageError("a digest for a request not reported ok")
         both = set(self.ok) & set(self.failed)
         if both:
             raise MessageError(f"requests both ok and failed: {sorted(both)}")

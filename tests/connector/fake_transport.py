@@ -52,6 +52,7 @@ class FakeFaults:
     fail_writes: int = 0  # this many of the next writes fail...
     fail_at_batch: int = 1  # ...in this batch (1: nothing lands; 2: the first batch did)
     batch_delay_s: float = 0.0  # every batch takes this long to land (a slow link)
+    corrupt_writes: int = 0  # this many of the next writes land with one byte flipped
 
 
 class FakeTransport:
@@ -104,6 +105,9 @@ class FakeTransport:
             failing = self.faults.fail_writes > 0
             if failing:
                 self.faults.fail_writes -= 1
+            corrupting = self.faults.corrupt_writes > 0
+            if corrupting:
+                self.faults.corrupt_writes -= 1
         start = time.perf_counter()
         for i, batch in enumerate(batches):
             where = f"write to {session}, batch {i + 1}/{len(batches)}"
@@ -116,6 +120,9 @@ class FakeTransport:
             if failing and i + 1 >= self.faults.fail_at_batch:
                 raise TransferError(f"{where}: failed (injected)")
             self._land(session, batch, where)
+        if corrupting and len(descs):  # reported landed, as a bad NIC or a bug would
+            flip = ctypes.c_uint8.from_address(descs.dsts[-1] + descs.lengths[-1] // 2)
+            flip.value ^= 0x10
         return WriteResult(descs.total_bytes, len(descs), len(batches),
                            time.perf_counter() - start)
 

@@ -64,3 +64,15 @@ def test_bench_transfer_side_channel_auth_runs() -> None:
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     assert "CURVE off ms" in out and "CURVE on ms" in out and "on/off" in out
+
+
+@pytest.mark.slow
+def test_bench_transfer_verify_runs() -> None:
+    """The same path with D checking no pull, then every pull, against P's digest."""
+    pytest.importorskip("mooncake.engine")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transfer.py"), "--verify", "both", "--layers",
+         "2", "--blocks", "4", "--p-first", "1", "--d-first", "3", "--reps", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    assert "verify_kv off ms" in out and "verify_kv all ms" in out and "all/off" in out

@@ -60,7 +60,7 @@ class RankSide(Side):
 def settings(url: str, engine: str, role: str) -> ConnectorSettings:
     return ConnectorSettings(engine_id=engine, role=role, bootstrap_addr=url, host="127.0.0.1",
                              register_interval_s=0.5, send_timeout_s=3, recv_timeout_s=5,
-                             cancel_grace_s=1)
+                             cancel_grace_s=1, verify_kv="all")
 
 
 @asynccontextmanager
@@ -142,6 +142,8 @@ async def test_p_tp2_to_d_tp1_pulls_each_half_from_its_rank(bootstrap_url):
             assert await finished_sending(s) == {"p1"}
         half = 3 * BLOCK * 2 * HEAD_DIM * 2 * (TOTAL_HEADS // 2) * LAYERS
         assert [p.stats.totals["bytes"] for p in ps] == [half, half]
+        # Both ranks' digests of their halves add up to D's of its whole blocks.
+        assert ds[0].stats.totals["verified"] == 1
 
 
 @pytest.mark.parametrize(("p_tp", "total", "pulled"), [(2, 0, [0]), (4, 2, [0, 2])],
@@ -174,6 +176,7 @@ async def test_p_tp1_to_d_tp2_serves_both_decode_ranks_then_frees(bootstrap_url)
         assert await finished_sending(senders[0]) == {"p1"}
         assert_heads_moved(ps, ds[:1], [5, 6], [20, 21])
         assert_heads_moved(ps, ds[1:], [5, 6], [30, 31])
+        assert [d.stats.totals["verified"] for d in ds] == [1, 1]  # each rank its heads
 
 
 async def test_a_decode_rank_that_never_asks_does_not_hold_p_forever(bootstrap_url):

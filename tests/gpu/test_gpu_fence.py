@@ -50,8 +50,8 @@ def _forward_then_push(p: Peer, d: Peer, stream, value: float, fenced: bool):
         fence = compute_fence(p.kv.device) if fenced else None
     start = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:  # the sender's push pool
-        result = pool.submit(_write, p.transport, fence, d.transport.session_id, descs,
-                             1024).result()
+        result, _ = pool.submit(_write, p.transport, fence, d.transport.session_id, descs,
+                                1024).result()
     torch.cuda.synchronize()
     return d.kv[8:16], result, time.perf_counter() - start
 

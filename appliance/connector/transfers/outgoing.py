@@ -54,9 +54,12 @@ class Outgoing(Transfer):
 
 def write(transport: Transport, fence: Callable[[], None] | None, session: str,
           descs: Descriptors, max_batch: int,
-          stop: Callable[[], str | None] | None = None) -> WriteResult:
+          stop: Callable[[], str | None] | None = None,
+          digest: Callable[[], int | None] | None = None) -> tuple[WriteResult, int | None]:
     """In a push thread: wait for the KV to exist (GPU fence), then write, asking `stop`
-    before each batch."""
+    before each batch; then, when D asked for one, the digest of what was written (its
+    source blocks are held until the answer, so they still hold those bytes)."""
     if fence is not None:
         fence()
-    return transport.write(session, descs, max_batch, stop)
+    result = transport.write(session, descs, max_batch, stop)
+    return result, digest() if digest is not None else None

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq.asyncio
@@ -30,6 +31,7 @@ from appliance.connector.sidechannel.peers import Peer, Peers
 from appliance.connector.sidechannel.producers import Producers
 from appliance.connector.spans import TransferSpans
 from appliance.connector.stats import TransferStats
+from appliance.connector.transfers import digest
 from appliance.connector.transfers.state import Transfer, TransferState
 from appliance.connector.transfers.transport import Transport
 from appliance.sidechannel import curve
@@ -54,6 +56,10 @@ class Incoming(Transfer):
     cancelled: bool = False
     cancel_reason: str = ""
     hold_until: float = 0.0
+    # Checked before vLLM may read its blocks (`verify_kv`): each producer's digest of what
+    # it wrote (None: it sent none), summed and compared with ours of what landed.
+    verify: bool = False
+    digests: list[int | None] = field(default_factory=list)
 
 
 def _remaining_ms(deadline: float) -> int:
@@ -63,7 +69,9 @@ def _remaining_ms(deadline: float) -> int:
 class Receiver:
     def __init__(self, settings: ConnectorSettings, transport: Transport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int,
-                 stats: TransferStats, total_heads: int | None = None) -> None:
+                 stats: TransferStats, total_heads: int | None = None,
+                 digester: Callable[[list[digest.Slice]], int | None] = digest.digest_cpu,
+                 ) -> None:
         self._key = curve.load(settings.side_channel_key_file)  # a bad file fails start-up
         self.settings = settings
         self.transport = transport
@@ -71,6 +79,7 @@ class Receiver:
         self.regions = regions
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.stats = stats
+        self._digester = digester  # numpy over CPU KV, torch on the GPU (digest.py)
         self.layout_id = secrets.randbits(63)
         self.incoming: dict[str, Incoming] = {}
         self._ctx = zmq.asyncio.Context()
@@ -88,7 +97,8 @@ class Receiver:
     def on_recv(self, req_id: str, spec: RecvSpec) -> None:
         wait_s = spec.timeout_s or self.settings.recv_timeout_s
         inc = Incoming(transfer_id=spec.transfer_id, d_req_id=req_id, spec=spec,
-                       state=TransferState.BOOTSTRAPPING, deadline=time.monotonic() + wait_s)
+                       state=TransferState.BOOTSTRAPPING, deadline=time.monotonic() + wait_s,
+                       verify=digest.chosen(self.settings.verify_kv))
         self.incoming[req_id] = inc
         asyncio.create_task(self._pull(inc))
 
@@ -98,6 +108,10 @@ class Receiver:
         if inc is None:
             # Over and reported already: that report frees the blocks. Reporting again
             # would name a request vLLM has forgotten (its scheduler asserts on that).
+            return
+        if inc.state is TransferState.VERIFYING:
+            # Every producer answered: nothing writes any more; the check ends it failed.
+            inc.cancelled, inc.cancel_reason = True, "cancelled: the request was aborted"
             return
         if inc.state is TransferState.BOOTSTRAPPING:
             # Our block ids never left this process: nothing can write into them.
@@ -148,7 +162,7 @@ class Receiver:
             rpc_port=self.transport.rpc_port, layout_id=self.layout_id,
             reqs=[m.ReqEntry(inc.d_req_id, inc.transfer_id,
                              [list(g) for g in inc.spec.block_ids],
-                             _remaining_ms(inc.deadline))],
+                             _remaining_ms(inc.deadline), inc.verify)],
             tp_rank=self.tp_rank, tp_size=self.tp_size,
             layout=layout_to_wire(self.regions) if include else None)
         peer.layout_sent = True
@@ -171,7 +185,7 @@ class Receiver:
         for d_req in resp.ok:
             inc = self.incoming.get(d_req)
             if inc is not None:
-                self._answered(inc, peer.addr, None)
+                self._answered(inc, peer.addr, None, resp.digests.get(d_req))
         for d_req, why in resp.failed.items():
             inc = self.incoming.get(d_req)
             if inc is not None:
@@ -233,13 +247,16 @@ class Receiver:
     def _busy_peers(self) -> set[str]:
         return {addr for inc in self.incoming.values() for addr in inc.waiting}
 
-    def _answered(self, inc: Incoming, addr: str, failure: str | None) -> None:
+    def _answered(self, inc: Incoming, addr: str, failure: str | None,
+                  digest_of_write: int | None = None) -> None:
         """One producer worker is done with this pull. It is over once all are: received
-        if every one wrote its heads, else failed. A failure makes the others stop too,
-        and the blocks stay held until they answer (no write lands in a freed block)."""
+        if every one wrote its heads (and, when checked, what landed is what they wrote),
+        else failed. A failure makes the others stop too, and the blocks stay held until
+        they answer (no write lands in a freed block)."""
         if addr not in inc.waiting:
             return  # a late or repeated answer
         inc.waiting.discard(addr)
+        inc.digests.append(digest_of_write)
         if failure is not None and inc.failure is None:
             inc.failure = failure
             if inc.waiting:
@@ -248,8 +265,42 @@ class Receiver:
             return
         if inc.failure is not None or inc.cancelled:
             self._finish(inc, ok=False, error=inc.failure or inc.cancel_reason)
+        elif inc.verify:
+            inc.advance(TransferState.VERIFYING, d_req=inc.d_req_id)
+            asyncio.create_task(self._check(inc))
         else:
             self._finish(inc, ok=True)
+
+    async def _check(self, inc: Incoming) -> None:
+        """Fail closed: a pull whose blocks do not hold what its producers wrote is handed
+        to vLLM's load-failure policy (recomputed here), never decoded from."""
+        assert inc.spec is not None
+        if None in inc.digests:  # a producer that could not sum its slices
+            self.stats.record_verify("unverified")
+            self._finish(inc, ok=not inc.cancelled, error=inc.cancel_reason)
+            return
+        slices = digest.received_slices(self.regions, inc.spec.block_ids)
+        try:
+            mine = await asyncio.get_running_loop().run_in_executor(None, self._digester,
+                                                                    slices)
+        except Exception:  # noqa: BLE001 - unreadable memory is no KV to trust
+            log.exception("d_req=%s transfer=%s: digest failed", inc.d_req_id, inc.transfer_id)
+            mine = None
+        if mine is None or inc.cancelled:
+            self.stats.record_verify("unverified")
+            self._finish(inc, ok=not inc.cancelled and mine is not None,
+                         error=inc.cancel_reason or "its blocks could not be summed")
+            return
+        theirs = digest.combine([d for d in inc.digests if d is not None])
+        if mine == theirs:
+            self.stats.record_verify("verified")
+            self._finish(inc, ok=True)
+            return
+        self.stats.record_verify("digest_mismatches")
+        log.error("d_req=%s transfer=%s: the KV that landed does not match what the producer "
+                  "wrote (digest %016x, producer's %016x); recomputed here", inc.d_req_id,
+                  inc.transfer_id, mine, theirs)
+        self._finish(inc, ok=False, error="KV digest mismatch")
 
     # --- cancellation, release, deadlines -------------------------------------------------
 
@@ -314,8 +365,8 @@ class Receiver:
                 self._next_sweep = now + min(5.0, self.settings.peer_idle_s / 2)
                 self._sweep(self._busy_peers(), now)
             for inc in list(self.incoming.values()):
-                if inc.state.terminal:
-                    continue
+                if inc.state.terminal or inc.state is TransferState.VERIFYING:
+                    continue  # a check writes nothing and ends by itself
                 if inc.cancelled:
                     if now > inc.hold_until:
                         self._finish(inc, ok=False, error=(

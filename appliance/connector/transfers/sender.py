@@ -32,6 +32,7 @@ from appliance.connector.sidechannel.layout import layout_from_wire
 from appliance.connector.sidechannel.registration import keep_registered
 from appliance.connector.spans import TransferSpans
 from appliance.connector.stats import TransferStats
+from appliance.connector.transfers.digest import Slice, digest_cpu, sent_slices
 from appliance.connector.transfers.ledger import Ledger
 from appliance.connector.transfers.outgoing import Outgoing, write
 from appliance.connector.transfers.state import TransferState
@@ -48,7 +49,8 @@ class Sender(Ledger):
     def __init__(self, settings: ConnectorSettings, transport: Transport,
                  regions: list[Region], host: str, tp_rank: int, tp_size: int, dp_rank: int,
                  stats: TransferStats, thread_init: Callable[[], None] | None = None,
-                 total_heads: int | None = None) -> None:
+                 total_heads: int | None = None,
+                 digester: Callable[[list[Slice]], int | None] = digest_cpu) -> None:
         self._key = curve.load(settings.side_channel_key_file)  # a bad file fails start-up
         self._internal = guard.networks(settings.internal_networks)
         self._curve: curve.CurveServer | None = None
@@ -60,6 +62,7 @@ class Sender(Ledger):
         self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
         self.total_heads = total_heads  # the model's KV heads; 0: MLA; None: unknown
         self.stats = stats
+        self._digester = digester  # numpy over CPU KV, torch on the GPU (digest.py)
         Ledger.__init__(self)
         self._layouts: OrderedDict[tuple[str, int], list[Region]] = OrderedDict()
         # thread_init binds each push thread to the worker's GPU (Mooncake's copies and the
@@ -256,8 +259,9 @@ class Sender(Ledger):
 
     async def _serve(self, identity: bytes, session: str, leg: Leg,
                      entry: m.ReqEntry) -> None:
+        digest: int | None = None
         try:
-            ok, why = await self._push(session, leg, entry)
+            ok, why, digest = await self._push(session, leg, entry)
         except Exception as exc:  # noqa: BLE001 - a bug must not strand blocks or D
             log.exception("push of transfer %s failed unexpectedly", entry.transfer_id)
             ok, why = False, f"internal error: {exc!r}"
@@ -265,18 +269,22 @@ class Sender(Ledger):
             if t is not None and t.fail(why, d_req=entry.d_req_id):
                 t.ready.set()
                 self._settle(t)
-        resp = (m.TransferResponse(status=m.Status.FINISH, ok=[entry.d_req_id]) if ok else
+        digests = {entry.d_req_id: digest} if ok and digest is not None else {}
+        resp = (m.TransferResponse(status=m.Status.FINISH, ok=[entry.d_req_id],
+                                   digests=digests) if ok else
                 m.TransferResponse(status=m.Status.FINISH, failed={entry.d_req_id: why}))
         await self._reply(identity, resp)
 
-    async def _push(self, session: str, leg: Leg, entry: m.ReqEntry) -> tuple[bool, str]:
+    async def _push(self, session: str, leg: Leg,
+                    entry: m.ReqEntry) -> tuple[bool, str, int | None]:
         tid, d_req = entry.transfer_id, entry.d_req_id
         # Leave D a margin: a write must be over before D's deadline, not merely started.
         now = time.monotonic()
         d_wait_s = entry.deadline_ms / 1000 if entry.deadline_ms else 0.0
         write_by = now + write_by_s(d_wait_s) if d_wait_s else float("inf")
         if tid in self._seen:
-            return False, f"transfer {tid} is over ({self._seen[tid]}); transfer_id seen twice?"
+            why = f"transfer {tid} is over ({self._seen[tid]}); transfer_id seen twice?"
+            return False, why, None
         t = self.by_transfer.get(tid)
         if t is None:  # D arrived before the prefill finished (protocol step 22)
             t = self.by_transfer[tid] = Outgoing(transfer_id=tid)
@@ -285,7 +293,7 @@ class Sender(Ledger):
             t.deadline = now + max(self.settings.send_timeout_s, d_wait_s)
         if leg.d_rank in t.asked or len(t.asked) >= t.legs or (
                 t.d_req_id is not None and t.d_req_id != d_req):
-            return False, f"transfer_id {tid} already requested by {t.d_req_id}"
+            return False, f"transfer_id {tid} already requested by {t.d_req_id}", None
         t.d_req_id, t.legs = d_req, leg.pullers
         t.asked.add(leg.d_rank)
         t.write_by = min(t.write_by, write_by)  # no batch of its write starts later
@@ -295,19 +303,19 @@ class Sender(Ledger):
                 t.advance(TransferState.SUCCESS, p_req=t.p_req_id, d_req=d_req, released=True)
             if t.state.terminal:
                 self._settle(t)
-            return True, ""
+            return True, "", None
         await t.ready.wait()
         while t.state is not TransferState.FAILED and t.block_ids is None:
             await t.ready.wait()  # preempted between the wake-up and now: the new blocks
         if t.state is TransferState.FAILED:
             self._settle(t)
-            return False, t.error or "failed"
+            return False, t.error or "failed", None
         assert t.block_ids is not None
         if time.monotonic() > t.write_by:
             t.fail("the decode node's deadline passed before the KV was ready",
                    p_req=t.p_req_id, d_req=d_req)
             self._settle(t)
-            return False, t.error or "deadline"
+            return False, t.error or "deadline", None
         if t.state is TransferState.WAITING_FOR_INPUT:
             t.advance(TransferState.TRANSFERRING, p_req=t.p_req_id, d_req=d_req)
         t.writing += 1
@@ -317,15 +325,19 @@ class Sender(Ledger):
         try:
             descs = build_group_descriptors(leg.src, leg.dst, t.block_ids, entry.block_ids)
             fence = t.fence
-            result = await asyncio.get_running_loop().run_in_executor(
+            summed = None
+            if entry.digest:  # D checks what lands: what we wrote, at D's addresses
+                slices = sent_slices(leg.src, leg.dst, t.block_ids, entry.block_ids)
+                summed = lambda: self._digester(slices)  # noqa: E731 - run in the push thread
+            result, digest = await asyncio.get_running_loop().run_in_executor(
                 self._pool, write, self.transport, fence, session, descs,
-                self.settings.max_batch_descs, t.stop_reason)
+                self.settings.max_batch_descs, t.stop_reason, summed)
         except (PlanError, TransferError) as exc:
             self.stats.record_failure()
             self.spans.record("pd.kv_write", tid, started, span, error=str(exc))
             t.fail(str(exc), p_req=t.p_req_id, d_req=d_req)
             self._settle(t)
-            return False, str(exc)
+            return False, str(exc), None
         finally:
             t.writing -= 1
         if t.preempted or t.state is TransferState.FAILED:
@@ -334,7 +346,7 @@ class Sender(Ledger):
             t.fail("the prefill was preempted while its KV was being written",
                    p_req=t.p_req_id, d_req=d_req)
             self._settle(t)
-            return False, t.error or "preempted"
+            return False, t.error or "preempted", None
         self.stats.record_transfer(result.nbytes, result.descriptors, result.seconds)
         self.spans.record("pd.kv_write", tid, started, {
             **span, "pd.bytes": result.nbytes, "pd.descriptors": result.descriptors,
@@ -347,7 +359,7 @@ class Sender(Ledger):
         if t.all_served:  # every decode rank that pulls from us has its heads
             t.advance(TransferState.SUCCESS)
             self._settle(t)
-        return True, ""
+        return True, "", digest
 
     def _cancel(self, identity: bytes, msg: m.CancelRequest) -> None:
         """D gave up on these transfers: fail those not yet being written, answer for all.

@@ -1,12 +1,14 @@
 """One explicit state per transfer, as SGLang's KVPoll: every timeout and error lands here.
 
     BOOTSTRAPPING ─▶ WAITING_FOR_INPUT ─▶ TRANSFERRING ─▶ SUCCESS
-          └───────────────┴──────────────────┴──────────▶ FAILED
+                            └──────▶ VERIFYING (D) ─────────▶ SUCCESS
+    any state but SUCCESS ──────────────────────────────────▶ FAILED
 
 Producer: a transfer waits for input until both its prefill is computed and the decode
 node's metadata has arrived (docs/protocol.md steps 22, 27), then transfers (28-30).
 Consumer: bootstrapping while it resolves the producer's workers (20), waiting for input
-once its metadata is sent (21) until the producer answers (34).
+once its metadata is sent (21) until the producer answers (34), then, when it checks what
+landed (`verify_kv`), verifying while it sums its blocks (digest.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class TransferState(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"
     TRANSFERRING = "transferring"
+    VERIFYING = "verifying"
     SUCCESS = "success"
     FAILED = "failed"
 
@@ -35,7 +38,8 @@ class TransferState(enum.Enum):
 _ALLOWED = {
     TransferState.BOOTSTRAPPING: {TransferState.WAITING_FOR_INPUT, TransferState.FAILED},
     TransferState.WAITING_FOR_INPUT: {TransferState.TRANSFERRING, TransferState.SUCCESS,
-                                      TransferState.FAILED},
+                                      TransferState.VERIFYING, TransferState.FAILED},
+    TransferState.VERIFYING: {TransferState.SUCCESS, TransferState.FAILED},
     TransferState.TRANSFERRING: {TransferState.SUCCESS, TransferState.FAILED},
     TransferState.SUCCESS: set(),
     TransferState.FAILED: set(),
