@@ -1,5 +1,6 @@
 """Injected faults (tests.faults: the connector's transport on P, the replies D receives)
-at 1 in 16 on P's Mooncake writes and on side-channel replies, for a few hundred requests
+at 1 in 16 on P's Mooncake writes (failed, or landed with junk in them) and on side-channel
+replies, D checking every pull against P's digest, for a few hundred requests
 through the proxy: every answer is a plain server's exact output or an error, never another
 text; nothing is held afterwards; and a real Prometheus scraping the node fires the shipped
 transfer-failure alert."""
@@ -32,7 +33,8 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = 24
 REPEATS = 8  # 192 requests, half of them streamed
-FAULTS = "write_fail=16,reply_drop=16,seed=3"  # P fails writes, D drops replies
+# P fails writes or lands junk, D drops replies
+FAULTS = "write_fail=16,write_corrupt=16,reply_drop=16,seed=3"
 
 
 def _body(i: int, stream: bool) -> dict:
@@ -46,7 +48,7 @@ async def test_faults_one_in_16_give_exact_output_or_an_error(
     for i in range(PROMPTS):
         result = await plain_request(plain_server, "/v1/completions", _body(i, False))
         expected[i] = result["choices"][0]["text"]
-    connector = {**TEST_CONNECTOR, "recv_timeout_s": 4}
+    connector = {**TEST_CONNECTOR, "recv_timeout_s": 4, "verify_kv": "all"}
     # D waits for its KV as long as the proxy waits for P, plus the write's allowance
     # (appliance.deadlines): a dropped reply costs D that wait, so the proxy waits 6 s.
     proxy = (*NodeSpec.proxy_args, "--split", "always", "--prefill-timeout", "6")
@@ -82,6 +84,10 @@ async def test_faults_one_in_16_give_exact_output_or_an_error(
         assert "fault injection ON" in p_log and "fault injection ON" in d_log
         assert p_log.count("fault injection: a Mooncake write failed") >= 3
         assert d_log.count("fault injection: a side-channel reply dropped") >= 3
+        # Each write that landed junk and answered ok was caught before D read it.
+        corrupted = p_log.count("fault injection: a Mooncake write landed corrupted")
+        caught = d_log.count("does not match what the producer wrote")
+        assert corrupted >= 3 and caught >= max(2, corrupted * 2 // 3), (corrupted, caught)
         # and the faults cost answers nothing: D recomputed what it did not get
         assert len(errors) <= len(answers) // 20, errors[:3]
         await wait_no_blocks_held(node, within=60)

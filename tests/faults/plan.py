@@ -3,6 +3,8 @@ environment and this package's connector (tests.faults.connector), e.g.
 `write_fail=16,reply_drop=16,write_delay_ms=5,seed=1`, gets:
 
 - `write_fail=N`: 1 in N of P's transport writes fails (as a lost peer would);
+- `write_corrupt=N`: 1 in N of P's writes lands with 8 bytes of D's first block overwritten
+  and is reported written (a bad NIC, a bug): D's `verify_kv` must catch it;
 - `reply_drop=N`: 1 in N of the side-channel replies D receives is dropped, as if lost on
   the way (D waits for its deadline, then asks again or recomputes);
 - `write_delay_ms=M`: every write of P starts M ms late (a slow or congested link);
@@ -34,6 +36,7 @@ ENV = "PD_FAULT_INJECTION"
 @dataclass(frozen=True)
 class FaultPlan:
     write_fail: int = 0
+    write_corrupt: int = 0
     reply_drop: int = 0
     write_delay_ms: float = 0.0
     seed: int = 0
@@ -46,8 +49,9 @@ class FaultPlan:
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, raw = part.partition("=")
             if not sep or key not in cls.__dataclass_fields__:
-                raise ValueError(f"{ENV}: {part!r} is not one of write_fail=N, reply_drop=N, "
-                                 "write_delay_ms=M, prefill_hold_file=PATH, seed=S")
+                raise ValueError(f"{ENV}: {part!r} is not one of write_fail=N, "
+                                 "write_corrupt=N, reply_drop=N, write_delay_ms=M, "
+                                 "prefill_hold_file=PATH, seed=S")
             if key == "prefill_hold_file":
                 values[key] = raw
                 continue
@@ -67,7 +71,7 @@ class Faults:
         self.plan = plan
         self._rng = random.Random(plan.seed)
         self._lock = threading.Lock()
-        self.injected = {"write_fail": 0, "reply_drop": 0}
+        self.injected = {"write_fail": 0, "write_corrupt": 0, "reply_drop": 0}
 
     def _one_in(self, n: int, what: str) -> bool:
         if n <= 0:
@@ -89,6 +93,12 @@ class Faults:
         if failed:
             log.warning("fault injection: a Mooncake write failed")
         return failed
+
+    def corrupt_write(self) -> bool:
+        corrupt = self._one_in(self.plan.write_corrupt, "write_corrupt")
+        if corrupt:
+            log.warning("fault injection: a Mooncake write landed corrupted")
+        return corrupt
 
     def holding_prefills(self) -> bool:
         """P's scheduler: whether new prefills wait (prefill_hold_file exists)."""

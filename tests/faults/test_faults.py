@@ -24,7 +24,8 @@ from tests.faults.transport import FaultyTransport
 def test_off_unless_the_environment_asks():
     assert faults.from_env({}) is None
     f = faults.from_env({faults.ENV: "write_fail=16,reply_drop=4,write_delay_ms=2.5,seed=7"})
-    assert f is not None and f.plan == faults.FaultPlan(16, 4, 2.5, 7)
+    assert f is not None and f.plan == faults.FaultPlan(write_fail=16, reply_drop=4,
+                                                        write_delay_ms=2.5, seed=7)
 
 
 def test_a_hold_file_holds_new_prefills_while_it_exists(tmp_path):
@@ -147,3 +148,26 @@ def test_servers_load_it_by_module_path_under_the_products_name():
                            '"kv_connector_module_path": "appliance.connector"}')
     assert MODULE in config and '"kv_connector": "PDConnector"' in config
     assert PDConnector.__name__ == "PDConnector"
+
+
+def test_corrupted_writes_report_success_with_junk_in_the_first_block():
+    network = FakeNetwork()
+    src, dst = (ctypes.create_string_buffer(b"kv" * 32), ctypes.create_string_buffer(64))
+    p, d = FakeTransport(network), FakeTransport(network)
+    d_session = d.start("127.0.0.1")
+    p.start("127.0.0.1")
+    f = faults.Faults(faults.FaultPlan(write_corrupt=2, seed=1))
+    faulty = FaultyTransport(p, f)
+    faulty.register([(ctypes.addressof(src), 64)])  # and, through it, the junk
+    d.register([(ctypes.addressof(dst), 64)])
+    corrupted = 0
+    for _ in range(20):
+        ctypes.memset(dst, 0, 64)
+        faulty.write(d_session, Descriptors([ctypes.addressof(src)], [ctypes.addressof(dst)],
+                                            [64]))
+        if dst.raw[:8] == b"\xa5" * 8:
+            corrupted += 1
+            assert dst.raw[8:] == src.raw[8:64]
+        else:
+            assert dst.raw == src.raw[:64]
+    assert f.injected["write_corrupt"] == corrupted > 3

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable, Iterable
 
@@ -15,6 +16,9 @@ class FaultyTransport:
     def __init__(self, inner: Transport, faults: Faults) -> None:
         self.inner = inner
         self.faults = faults
+        # What a corrupted write puts over 8 bytes of D's memory: registered with ours, so
+        # the real transport carries it as it carries the KV.
+        self._junk = (ctypes.c_uint8 * 8)(*([0xA5] * 8))
 
     @property
     def transport(self) -> str:
@@ -32,7 +36,7 @@ class FaultyTransport:
         return self.inner.start(host, protocol, device_name)
 
     def register(self, spans: Iterable[tuple[int, int]]) -> None:
-        self.inner.register(spans)
+        self.inner.register([*spans, (ctypes.addressof(self._junk), 8)])
 
     def write(self, session: str, descs: Descriptors, max_batch: int = MAX_BATCH_DESCS,
               stop: Callable[[], str | None] | None = None) -> WriteResult:
@@ -41,7 +45,11 @@ class FaultyTransport:
             time.sleep(self.faults.plan.write_delay_ms / 1000)
         if self.faults.fail_write():
             raise TransferError("injected fault: the write failed")
-        return self.inner.write(session, descs, max_batch, stop)
+        result = self.inner.write(session, descs, max_batch, stop)
+        if len(descs) and self.faults.corrupt_write():
+            junk = Descriptors([ctypes.addressof(self._junk)], [descs.dsts[0]], [8])
+            self.inner.write(session, junk, max_batch)
+        return result
 
     def close(self) -> None:
         self.inner.close()
