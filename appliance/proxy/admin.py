@@ -1,7 +1,9 @@
 """Draining: a node taken out of rotation on purpose, and the proxy's own shutdown.
 
 `POST /admin/drain {"node": URL | "prefill" | "decode"}` takes nodes out of rotation (they
-get nothing new; what they have finishes), `POST /admin/undrain` puts them back, `GET
+get nothing new; what they have finishes, or after `handover_after_s`, default
+`drain_handover_s`, goes on from other engines: nodes/handover.py), `POST /admin/undrain`
+puts them back, `GET
 /admin/drain` says what is draining and what it still holds (`pdctl drain` drives these).
 `PUT /admin/tracing {"sample_ratio": R, "enabled": B}` turns tracing up, down, off and on
 again without a restart, where an OTLP endpoint is set (`GET` says how it stands; `pdctl
@@ -104,17 +106,21 @@ def routes(proxy: Proxy) -> list[web.RouteDef]:
         if (answer := _refused(proxy, request)) is not None:
             return answer
         try:
-            node = decode_object(await request.read()).get("node")
+            body = decode_object(await request.read())
         except ProxyError:
-            node = None
-        if not isinstance(node, str):
-            return json_error(400, 'expected {"node": URL | "prefill" | "decode"}')
+            body = {}
+        node, after = body.get("node"), body.get("handover_after_s")
+        if not isinstance(node, str) or (after is not None and (
+                isinstance(after, bool) or not isinstance(after, (int, float)) or after < 0)):
+            return json_error(400, 'expected {"node": URL | "prefill" | "decode"} and, to '
+                                   'drain, optionally "handover_after_s": seconds >= 0')
         found = proxy.backends.find(node)
         if not found:
             return json_error(404, f"no node {node!r} (known: "
                                    f"{', '.join(b.url for b in proxy.backends.all())})")
         for b in found:
             proxy.backends.set_draining(b, draining)
+            proxy.handover.drained(b.url, after if draining else None)
         return web.json_response({"nodes": _nodes(proxy), "changed": [b.url for b in found]})
 
     async def drain(request: web.Request) -> web.Response:

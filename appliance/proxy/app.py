@@ -21,6 +21,7 @@ from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
 from appliance.proxy.nodes.engineload import LoadPoller
+from appliance.proxy.nodes.handover import Handover
 from appliance.proxy.nodes.health import HealthPoller
 from appliance.proxy.openai_api import CHAT, COMPLETIONS, RESPONSES
 from appliance.proxy.ownership.kv import PrefillKV
@@ -86,6 +87,9 @@ class Proxy:
         self.backends.on_down = self._node_down
         # A node that left is forgotten once idle: so are its pooled connections.
         self.backends.on_drop = self._dropped
+        # Drained or leaving nodes hand what they still answer over (nodes/handover.py).
+        self.handover = Handover(self.backends, settings.drain_handover_s,
+                                 self.upstreams.fail_node)
         self.admission = Admission(settings.max_in_flight_per_decode, settings.max_queued,
                                    settings.queue_timeout_s,
                                    lambda why: self.metrics.overloaded.labels(why).inc())
@@ -117,6 +121,7 @@ class Proxy:
         self.poller = HealthPoller(self.backends, self.session, self.settings, self.base_headers)
         self.poller.start()
         self.upstreams.start()
+        self.handover.start()
         if self.tracing is not None:
             await self.tracing.start()
         # The index serves auto's placement and the cache-aware routing policies.
@@ -155,6 +160,7 @@ class Proxy:
             await self.discovery.stop()
         if self.poller is not None:
             await self.poller.stop()
+        await self.handover.stop()
         if self.load is not None:
             await self.load.stop()
         if self.prefix is not None:

@@ -119,6 +119,10 @@ class ProxySettings(BaseModel):
     drain_grace_s: Annotated[float, Flag(TIMEOUTS)] = Field(
         30.0, ge=0, description="on SIGTERM, how long requests in flight get to finish; then "
                                 "they end with an error")
+    drain_handover_s: Annotated[float, Flag(TIMEOUTS)] = Field(
+        120.0, ge=0, description="a node drained or leaving (a terminating pod) still "
+                                 "answering after this long hands its answers over: each goes "
+                                 "on from another engine as after a failure (0: never)")
 
     # Overload control (appliance.proxy.admission).
     max_in_flight_per_decode: Annotated[int, Flag(ADMISSION, metavar="N")] = Field(

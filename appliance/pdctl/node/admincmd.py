@@ -77,16 +77,21 @@ def _call(url: str, key_file: Path, body: dict | None = None, method: str = "POS
 @click.option("--undo", is_flag=True, help="put the node back in rotation")
 @click.option("--wait", type=float, default=0.0, show_default=True, metavar="SECONDS",
               help="wait until the drained nodes hold no request (exit 1 if they still do)")
+@click.option("--handover-after", type=float, default=None, metavar="SECONDS",
+              help="what the nodes still answer after this long goes on from other engines "
+                   "(default: the proxy's drain_handover_s, 120)")
 @click.pass_context
 def drain(ctx: click.Context, node: str, config_path: Path | None, local: bool,
-          run_dir: Path | None, undo: bool, wait: float) -> None:
+          run_dir: Path | None, undo: bool, wait: float, handover_after: float | None) -> None:
     """Take NODE (prefill, decode, or a node's URL) out of the proxy's rotation."""
     out = env_of(ctx).out
-    if wait < 0:
-        raise PdctlError("--wait must not be negative", USAGE)
+    if wait < 0 or (handover_after is not None and handover_after < 0):
+        raise PdctlError("--wait and --handover-after must not be negative", USAGE)
     proxy, key_file = proxy_target(config_path, local, run_dir)
-    answer = _call(f"{proxy}/admin/{'undrain' if undo else 'drain'}", key_file,
-                   {"node": node})
+    body: dict = {"node": node}
+    if handover_after is not None and not undo:
+        body["handover_after_s"] = handover_after
+    answer = _call(f"{proxy}/admin/{'undrain' if undo else 'drain'}", key_file, body)
     names = set(answer["changed"])  # the nodes NODE named, as the proxy matched them
     deadline = time.monotonic() + wait
     while True:
