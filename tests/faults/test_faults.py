@@ -55,13 +55,19 @@ def test_one_in_n_is_seeded_and_counted():
     assert 60 < hits < 140  # about 1 in 4
 
 
-def test_faulty_writes_fail_one_in_n_and_otherwise_land():
-    """Over the in-memory transport: each write that is not failed copies its bytes."""
+def _two_ends():
+    """64 bytes of P's memory and of D's, each side's in-memory transport, D's session."""
     network = FakeNetwork()
     src, dst = (ctypes.create_string_buffer(b"kv" * 32), ctypes.create_string_buffer(64))
     p, d = FakeTransport(network), FakeTransport(network)
     d_session = d.start("127.0.0.1")
     p.start("127.0.0.1")
+    return src, dst, p, d, d_session
+
+
+def test_faulty_writes_fail_one_in_n_and_otherwise_land():
+    """Over the in-memory transport: each write that is not failed copies its bytes."""
+    src, dst, p, d, d_session = _two_ends()
     p.register([(ctypes.addressof(src), 64)])
     d.register([(ctypes.addressof(dst), 64)])
     f = faults.Faults(faults.FaultPlan(write_fail=3, seed=0))
@@ -151,11 +157,7 @@ def test_servers_load_it_by_module_path_under_the_products_name():
 
 
 def test_corrupted_writes_report_success_with_junk_in_the_first_block():
-    network = FakeNetwork()
-    src, dst = (ctypes.create_string_buffer(b"kv" * 32), ctypes.create_string_buffer(64))
-    p, d = FakeTransport(network), FakeTransport(network)
-    d_session = d.start("127.0.0.1")
-    p.start("127.0.0.1")
+    src, dst, p, d, d_session = _two_ends()
     f = faults.Faults(faults.FaultPlan(write_corrupt=2, seed=1))
     faulty = FaultyTransport(p, f)
     faulty.register([(ctypes.addressof(src), 64)])  # and, through it, the junk

@@ -20,6 +20,7 @@ import time
 import aiohttp
 
 from appliance.proxy.nodes.backends import Backend, Backends
+from appliance.proxy.nodes.background import Background
 
 log = logging.getLogger("appliance.proxy.nodes.engineload")
 
@@ -56,8 +57,10 @@ def others(running: int, waiting: int, own: int) -> tuple[int, int]:
     return queued, extra - queued
 
 
-class LoadPoller:
+class LoadPoller(Background):
     """Every interval, each healthy node's /metrics: Backend.others_* (written here only)."""
+
+    task_name = "proxy-engine-load"
 
     def __init__(self, backends: Backends, session: aiohttp.ClientSession,
                  headers: dict[str, str], interval_s: float, timeout_s: float) -> None:
@@ -67,15 +70,7 @@ class LoadPoller:
         self.interval = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._last: dict[str, tuple[int, int]] = {}  # per node URL: the reading before
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="proxy-engine-load")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        Background.__init__(self)
 
     async def _run(self) -> None:
         while True:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from appliance.proxy.nodes.backends import Backend, Backends
+from appliance.proxy.nodes.background import Background
 
 log = logging.getLogger("appliance.proxy.handover")
 TICK_S = 0.5
@@ -27,7 +28,9 @@ def due(out_since: float, now: float, after_s: float) -> bool:
     return after_s > 0 and now - out_since >= after_s
 
 
-class Handover:
+class Handover(Background):
+    task_name = "proxy-drain-handover"
+
     def __init__(self, backends: Backends, after_s: float,
                  fail_node: Callable[[str, str], int]) -> None:
         self.backends = backends
@@ -36,7 +39,7 @@ class Handover:
         self._since: dict[str, float] = {}  # url -> when it left rotation on purpose
         self._after: dict[str, float] = {}  # a drain's own handover_after_s
         self._done: set[str] = set()
-        self._task: asyncio.Task[None] | None = None
+        Background.__init__(self)
 
     def drained(self, url: str, after_s: float | None) -> None:
         """A drain that names its own wait (None: the setting's)."""
@@ -44,14 +47,6 @@ class Handover:
             self._after.pop(url, None)
         else:
             self._after[url] = after_s
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="drain-handover")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:
