@@ -20,7 +20,7 @@ from appliance.proxy.exchange.relay import Relay
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
 from appliance.proxy.nodes.discovery import KubernetesDiscovery
-from appliance.proxy.nodes.engineload import LoadPoller
+from appliance.proxy.nodes.engineload import LoadPoller, kv_loads
 from appliance.proxy.nodes.handover import Handover
 from appliance.proxy.nodes.health import HealthPoller
 from appliance.proxy.openai_api import CHAT, COMPLETIONS, RESPONSES
@@ -38,6 +38,9 @@ from appliance.proxy.upstream.pool import Upstreams
 from appliance.sidechannel import curve
 
 log = logging.getLogger("appliance.proxy")
+# After P went down, D's gauges of unfinished KV loads are read this much later: a pull
+# that had landed reaches them with D's next steps.
+LANDED_RECHECK_S = 1.0
 
 # Keyed with auth_ops_endpoints; /health and /ready stay open: they say only ready or not,
 # and load balancers, probes and the container's health check ask them without a key.
@@ -100,6 +103,7 @@ class Proxy:
         # D calls waiting on a P's KV, failed over if that P goes down (unless D's own KV
         # events say the KV is there already).
         self.pulls = Pulls(self._landed)
+        self._rechecks: set[asyncio.Task[None]] = set()
         self.placement = Placement(settings.split, settings.itl_slo_ms,
                                    settings.prefill_timeout_s,
                                    decode_chunk=settings.decode_prefill_chunk)
@@ -156,6 +160,9 @@ class Proxy:
         if self._seeding is not None:
             self._seeding.cancel()
             await asyncio.gather(self._seeding, return_exceptions=True)
+        for task in list(self._rechecks):
+            task.cancel()
+        await asyncio.gather(*self._rechecks, return_exceptions=True)
         if self.discovery is not None:
             await self.discovery.stop()
         if self.poller is not None:
@@ -200,6 +207,28 @@ class Proxy:
             if kept:
                 log.info("prefill %s is down: D holds the KV of its calls already, they go "
                          "on: transfer=%s", b.url, ",".join(kept))
+                task = asyncio.create_task(self._recheck_kept(b.url, message))
+                self._rechecks.add(task)
+                task.add_done_callback(self._rechecks.discard)
+
+    async def _recheck_kept(self, p_url: str, why: str) -> None:
+        """The calls kept when P went down, checked against D's own count of unfinished KV
+        loads once D's gauges have caught up (ownership/pulls.py)."""
+        await asyncio.sleep(LANDED_RECHECK_S)
+        assert self.session is not None
+        for d_url in self.pulls.kept(p_url):
+            try:
+                async with self.session.get(f"{d_url}/metrics", headers=self.base_headers,
+                                            timeout=self.models_timeout) as r:
+                    loading = kv_loads(await r.text()) if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+                loading = None
+            moved = self.pulls.recheck(p_url, d_url, loading, why)
+            if moved:
+                log.warning("prefill %s is down and decode %s still loads KV for %s of the "
+                            "calls its KV events showed landed: they go to D alone: "
+                            "transfer=%s", p_url, d_url, "some" if loading else "maybe some",
+                            ",".join(moved))
 
     # ---- auth -------------------------------------------------------------------------
 

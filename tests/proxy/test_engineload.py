@@ -9,7 +9,7 @@ from aiohttp import web
 
 from appliance.proxy.metrics import ProxyMetrics
 from appliance.proxy.nodes.backends import Backend, Backends
-from appliance.proxy.nodes.engineload import LoadPoller, engine_counts, others
+from appliance.proxy.nodes.engineload import LoadPoller, engine_counts, kv_loads, others
 from appliance.proxy.placement import Placement
 from appliance.proxy.settings import ProxySettings
 
@@ -33,6 +33,14 @@ def test_engine_counts_sum_the_engines_and_skip_other_series() -> None:
     assert engine_counts("vllm:num_requests_running 1\n") == (1, 0)
     assert engine_counts("# nothing of vLLM's\nprocess_cpu_seconds_total 3.0\n") is None
     assert engine_counts("") is None
+
+
+def test_kv_loads_count_what_has_not_finished() -> None:
+    text = ('vllm:num_requests_kv_fetch_by_stage{engine="0",stage="waiting_to_start"} 1.0\n'
+            'vllm:num_requests_kv_fetch_by_stage{engine="0",stage="in_progress"} 2.0\n'
+            'vllm:num_requests_kv_fetch_by_stage{engine="0",stage="completed_waiting"} 5.0\n')
+    assert kv_loads(text) == 3
+    assert kv_loads("vllm:num_requests_running 1\n") is None
 
 
 def test_others_are_what_the_engine_holds_beyond_this_proxys() -> None:

@@ -76,3 +76,31 @@ def test_p_down_fails_over_only_the_pulls_d_has_not_landed() -> None:
     failed, kept = pulls.fail_over("http://p", "P is down")
     assert (failed, kept) == (["x-waiting"], ["x-landed"])
     assert calls["x-waiting"].aborted is not None and calls["x-landed"].aborted is None
+
+
+def test_a_kept_call_is_failed_over_when_d_still_loads_kv() -> None:
+    """D's KV events cannot tell requests apart: another request with the same blocks makes
+    a call still waiting on the dead P look landed. D's own count of unfinished KV loads,
+    beyond this proxy's calls on live Ps, says some kept call still waits."""
+    from appliance.proxy.ownership.pulls import Pulls
+
+    pulls = Pulls(lambda kv: kv.transfer_id != "x-other")
+    dead, live = PrefillBackend("prefill", "http://p"), PrefillBackend("prefill", "http://p2")
+    calls = {}
+    for xfer, p in (("x-kept", dead), ("x-other", live)):
+        kv = PrefillKV(p, 0, xfer, d_url="http://d", lands=(1, 2))
+        kv.move(Holder.ASKED, "D asked")
+        calls[xfer] = _Call()
+        pulls.waiting(kv, calls[xfer])  # type: ignore[arg-type]
+    assert pulls.fail_over("http://p", "P is down") == ([], ["x-kept"])
+    assert list(pulls.kept("http://p")) == ["http://d"]
+    assert pulls.waiting_elsewhere("http://d", "http://p") == 1
+    # One load unfinished on D: the live P's call, not the kept one.
+    assert pulls.recheck("http://p", "http://d", 1, "P is down") == []
+    assert pulls.recheck("http://p", "http://d", 0, "P is down") == []
+    assert calls["x-kept"].aborted is None
+    # Two: the kept call is one of them (or D's count is unknown): D alone.
+    assert pulls.recheck("http://p", "http://d", 2, "P is down") == ["x-kept"]
+    assert calls["x-kept"].aborted is not None and calls["x-other"].aborted is None
+    calls["x-kept"].aborted = None
+    assert pulls.recheck("http://p", "http://d", None, "P is down") == ["x-kept"]

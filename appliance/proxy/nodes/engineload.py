@@ -48,6 +48,24 @@ def engine_counts(text: str) -> tuple[int, int] | None:
     return (round(sums[RUNNING]), round(sums[WAITING])) if seen else None
 
 
+KV_LOADS = "vllm:num_requests_kv_fetch_by_stage"
+UNFINISHED = ('stage="waiting_to_start"', 'stage="in_progress"')
+
+
+def kv_loads(text: str) -> int | None:
+    """A decode engine's requests whose KV load has not finished (waiting to start or in
+    progress); None when it does not export the gauge."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(KV_LOADS) and any(stage in line for stage in UNFINISHED):
+            try:
+                total += float(line.rsplit(None, 1)[1])
+                seen = True
+            except (ValueError, IndexError):
+                continue
+    return round(total) if seen else None
+
+
 def others(running: int, waiting: int, own: int) -> tuple[int, int]:
     """(waiting, running) of the requests the engine holds beyond `own` (this proxy's in
     flight there). Its own may be waiting as well as running, so the others' waiting part

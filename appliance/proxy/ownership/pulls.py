@@ -1,4 +1,13 @@
-"""D calls waiting on a P's KV, failed over (D alone) when that P goes down."""
+"""D calls waiting on a P's KV, failed over (D alone) when that P goes down.
+
+A call whose blocks D's KV events show cached is kept: its pull is over. But the events
+name blocks, not requests: another request with the same full blocks can make a call that
+still waits on the dead P look landed. So the kept calls are checked again a moment later
+against D's own count of KV loads not finished (vLLM's `num_requests_kv_fetch_by_stage`):
+when D has more of them than this proxy's calls waiting there on live Ps, some kept call is
+one of them, and the kept calls still waiting are failed over too (D alone: its prefix cache
+holds what did land, so a call wrongly suspected costs little).
+"""
 
 from __future__ import annotations
 
@@ -43,3 +52,29 @@ class Pulls:
                 call.abort(UpstreamError(PREFILL_DOWN, why))
                 failed.append(kv.transfer_id)
         return failed, kept
+
+    def kept(self, p_url: str) -> dict[str, list[PrefillKV]]:
+        """The calls on this (down) P still waiting, by the D they wait on."""
+        out: dict[str, list[PrefillKV]] = {}
+        for kv in self._by_node.get(p_url, ()):
+            if kv.holder is Holder.ASKED and kv.d_call is not None and not kv.d_call.done:
+                out.setdefault(kv.d_url, []).append(kv)
+        return out
+
+    def waiting_elsewhere(self, d_url: str, p_url: str) -> int:
+        """This proxy's calls on `d_url` still waiting on the KV of Ps other than `p_url`."""
+        return sum(1 for url, group in self._by_node.items() if url != p_url
+                   for kv in group if kv.d_url == d_url and kv.holder is Holder.ASKED)
+
+    def recheck(self, p_url: str, d_url: str, loading: int | None, why: str) -> list[str]:
+        """Fail over the kept calls on `d_url` when D has more KV loads unfinished
+        (`loading`; None: unknown) than this proxy's calls on live Ps there; returns
+        their transfer ids."""
+        suspects = self.kept(p_url).get(d_url, [])
+        if not suspects or (loading is not None
+                            and loading <= self.waiting_elsewhere(d_url, p_url)):
+            return []
+        for kv in suspects:
+            assert kv.d_call is not None
+            kv.d_call.abort(UpstreamError(PREFILL_DOWN, why))
+        return [kv.transfer_id for kv in suspects]
