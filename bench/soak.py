@@ -13,11 +13,11 @@ restarted, P likewise, P frozen (SIGSTOP) 10 s, the side channel's TCP connectio
 
 It prints requests sent, answered exactly, answered with another text, failed (by cause;
 refused connections while no proxy listened apart), continued elsewhere (the proxy's
-migrations), pulls received and recomputed on D (a recomputed pull is a prompt computed
-twice), prompt tokens computed on P and on D and taken from P's KV (vLLM's
-`prompt_tokens_by_source`), each fault's recovery time (to the restarted part back in
-rotation and a probe answered exactly), KV blocks held once idle, and the proxy's memory
-after warm-up and at the end.
+migrations), pulls received and recomputed on D, prompt tokens computed twice (P's and
+D's computed prompt tokens less those of the prompts answered, each request with a
+`cache_salt` of its own, as bench/churn.py counts them), each fault's recovery time (to
+the restarted part back in rotation and a probe answered exactly), KV blocks held once
+idle, and the proxy's memory after warm-up and at the end.
 Counters are read every 2 s, so a restarted process's reset loses nothing.
 """
 
@@ -61,8 +61,12 @@ class Item:
     body: dict
     reference: str = ""
 
-    def with_stream(self, stream: bool) -> dict:
-        return {**self.body, "stream": stream}
+    def with_stream(self, stream: bool, salt: str = "") -> dict:
+        """The body to send; a stream asks for its usage, and a `cache_salt` of its own
+        keeps each request's prompt from hitting the prefix cache (a recomputation shows in
+        the prompt tokens computed)."""
+        extra: dict = {"stream_options": {"include_usage": True}} if stream else {}
+        return {**self.body, **extra, "stream": stream, **({"cache_salt": salt} if salt else {})}
 
 
 def items(seed: int, n: int) -> list[Item]:
@@ -79,19 +83,23 @@ def items(seed: int, n: int) -> list[Item]:
     return out
 
 
-def answer_text(path: str, stream: bool, raw: str) -> str | None:
-    """The answer's text, or None when it is no whole answer (an SSE error, no [DONE])."""
+def answer(path: str, stream: bool, raw: str) -> tuple[str | None, int]:
+    """(the answer's text, its prompt tokens); text None when it is no whole answer (an SSE
+    error, no [DONE])."""
     chat = path.endswith("chat/completions")
     if not stream:
-        choice = json.loads(raw)["choices"][0]
-        return choice["message"]["content"] if chat else choice["text"]
+        whole = json.loads(raw)
+        choice = whole["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        return text, (whole.get("usage") or {}).get("prompt_tokens", 0)
     if not raw.endswith("data: [DONE]\n\n"):
-        return None
+        return None, 0
     events = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
     if any("error" in e for e in events):
-        return None
+        return None, 0
+    usage = next((e["usage"] for e in events if e.get("usage")), {})
     return "".join((c.get("delta", {}).get("content") or "") if chat else c.get("text", "")
-                   for e in events for c in e.get("choices", []))
+                   for e in events for c in e.get("choices", [])), usage.get("prompt_tokens", 0)
 
 
 @dataclass
@@ -101,22 +109,25 @@ class Outcome:
     result: str  # exact, other_text, http_<status>, broken_stream, refused, client_<exc>
     stream: bool
     path: str
+    prompt_tokens: int = 0
 
 
-async def send(http: aiohttp.ClientSession, url: str, item: Item, stream: bool) -> str:
+async def send(http: aiohttp.ClientSession, url: str, item: Item, stream: bool,
+               salt: str = "") -> tuple[str, int]:
+    """(what came of it, the answer's prompt tokens)."""
     try:
-        async with http.post(url + item.path, json=item.with_stream(stream)) as r:
+        async with http.post(url + item.path, json=item.with_stream(stream, salt)) as r:
             raw = await r.text()
             if r.status != 200:
-                return f"http_{r.status}"
+                return f"http_{r.status}", 0
     except aiohttp.ClientConnectorError:
-        return "refused"  # nothing listened: the proxy between its stop and its start
+        return "refused", 0  # nothing listened: the proxy between its stop and its start
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return f"client_{type(exc).__name__}"
-    text = answer_text(item.path, stream, raw)
+        return f"client_{type(exc).__name__}", 0
+    text, prompt_tokens = answer(item.path, stream, raw)
     if text is None:
-        return "broken_stream"
-    return "exact" if text == item.reference else "other_text"
+        return "broken_stream", 0
+    return ("exact" if text == item.reference else "other_text"), prompt_tokens
 
 
 @dataclass
@@ -133,12 +144,14 @@ class Load:
 
     async def _client(self, http: aiohttp.ClientSession, k: int, stop: asyncio.Event) -> None:
         rng = random.Random(self.seed * 1000 + k)
+        n = 0
         while not stop.is_set():
             item, stream = rng.choice(self.work), rng.random() < 0.5
             started = time.monotonic()
-            result = await send(http, self.url, item, stream)
+            n += 1
+            result, tokens = await send(http, self.url, item, stream, f"{self.seed}-{k}-{n}")
             self.outcomes.append(Outcome(started, time.monotonic() - started, result, stream,
-                                         item.path))
+                                         item.path, tokens))
             if result == "refused":
                 await asyncio.sleep(0.2)  # a client's back-off, not a spin
 
@@ -149,7 +162,7 @@ async def references(model: Path, work: list[Item], log_dir: Path) -> list[Item]
             out = []
             for item in work:
                 async with http.post(url + item.path, json=item.with_stream(False)) as r:
-                    text = answer_text(item.path, False, await r.text())
+                    text, _ = answer(item.path, False, await r.text())
                 out.append(Item(item.path, item.body, text or ""))
     return out
 
@@ -215,7 +228,7 @@ async def soak(args: argparse.Namespace) -> dict:
         records = []
 
         async def probe(http: aiohttp.ClientSession) -> bool:
-            return await send(http, url, work[0], False) == "exact"
+            return (await send(http, url, work[0], False))[0] == "exact"
 
         begin = time.monotonic()
         for k, fault in enumerate(schedule):
@@ -229,6 +242,14 @@ async def soak(args: argparse.Namespace) -> dict:
         await scraping
         await asyncio.to_thread(scrape.poll)
         counts = {k: v - baseline.get(k, 0.0) for k, v in scrape.totals.items()}
+        answered = sum(o.prompt_tokens for o in load.outcomes)
+        counts["prompt tokens answered"] = answered
+        # Each request's prompt is computed once (a salt of its own: no cache hit) unless a
+        # pull failed or an engine died under it; a killed engine never reports what it had
+        # not finished, so this may read low around a kill (bench/churn.py's measure).
+        counts["prompt tokens computed twice"] = (counts["prompt tokens computed on P"]
+                                                  + counts["prompt tokens computed on D"]
+                                                  - answered)
         held = await soakfaults.blocks_held_when_idle(node, within=60)
         after = {"KV usage once idle (P, D)": held,
                  "proxy RSS after warm-up KiB": rss_start,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from churn import COMPUTED, Counter
 
 from appliance.pdctl.node.status import metric_samples
 from appliance.process import ServiceProcess
@@ -34,12 +35,8 @@ SERIES = {
     "pulls received by D": ("decode", "vllm:pd_kv_received_total", {}),
     "pulls recomputed on D": ("decode", "vllm:pd_kv_failed_receives_total", {}),
     "KV digest mismatches on D": ("decode", "vllm:pd_kv_digest_mismatches_total", {}),
-    "prompt tokens computed on P": ("prefill", "vllm:prompt_tokens_by_source_total",
-                                    {"source": "local_compute"}),
-    "prompt tokens computed on D": ("decode", "vllm:prompt_tokens_by_source_total",
-                                    {"source": "local_compute"}),
-    "prompt tokens D took from P's KV": ("decode", "vllm:prompt_tokens_by_source_total",
-                                         {"source": "external_kv_transfer"}),
+    "prompt tokens computed on P": ("prefill", COMPUTED, {}),
+    "prompt tokens computed on D": ("decode", COMPUTED, {}),
 }
 
 
@@ -49,13 +46,15 @@ def _url(node: Any, role: str) -> str:
 
 
 class Counters:
-    """Running totals of SERIES: a value below the last one read means the process
-    restarted, and counting goes on from 0."""
+    """Running totals of SERIES, followed across restarts (churn.Counter)."""
 
     def __init__(self, node: Any) -> None:
         self.node = node
-        self.totals = dict.fromkeys(SERIES, 0.0)
-        self._last: dict[str, float] = {}
+        self._counters = {key: Counter() for key in SERIES}
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return {key: c.total for key, c in self._counters.items()}
 
     def _read(self, role: str) -> list[tuple[str, dict[str, str], float]]:
         service = {"proxy": "proxy", "prefill": "prefill", "decode": "decode"}[role]
@@ -77,10 +76,9 @@ class Counters:
             samples = by_role[role]
             if not samples:
                 continue
-            value = sum(v for n, got, v in samples if n == name
-                        and all(got.get(k) == want for k, want in labels.items()))
-            self.totals[key] += accumulate(self._last.get(key, 0.0), value)
-            self._last[key] = value
+            self._counters[key].update(sum(
+                v for n, got, v in samples
+                if n == name and all(got.get(k) == want for k, want in labels.items())))
 
     async def every(self, seconds: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -89,11 +87,6 @@ class Counters:
                 await asyncio.wait_for(stop.wait(), seconds)
             except asyncio.TimeoutError:
                 pass
-
-
-def accumulate(last: float, now: float) -> float:
-    """What a counter added since `last`: a smaller reading is a restarted process's."""
-    return now - last if now >= last else now
 
 
 def rss_kib(svc: ServiceProcess | None) -> int:

@@ -1,4 +1,4 @@
-"""bench/soak.py: its checks and counting without servers, then a short soak of the real
+"""bench/soak.py: its checks without servers, then a short soak of the real
 local node (slow): D killed and restarted and the side channel reset under a mixed load,
 every answer exact, nothing held after."""
 
@@ -16,24 +16,21 @@ soak = load("soak")
 soakfaults = load("soakfaults")
 
 
-def test_counters_go_on_across_a_restart() -> None:
-    assert soakfaults.accumulate(5.0, 8.0) == 3.0
-    assert soakfaults.accumulate(8.0, 2.0) == 2.0  # restarted: counting from 0 again
-
-
 def test_answers_are_read_as_clients_read_them() -> None:
     chat, comp = "/v1/chat/completions", "/v1/completions"
-    assert soak.answer_text(comp, False, json.dumps({"choices": [{"text": "ab"}]})) == "ab"
-    assert soak.answer_text(chat, False, json.dumps(
-        {"choices": [{"message": {"content": "ab"}}]})) == "ab"
+    assert soak.answer(comp, False, json.dumps(
+        {"choices": [{"text": "ab"}], "usage": {"prompt_tokens": 9}})) == ("ab", 9)
+    assert soak.answer(chat, False, json.dumps(
+        {"choices": [{"message": {"content": "ab"}}]})) == ("ab", 0)
     events = [{"choices": [{"delta": {"role": "assistant"}}]},
               {"choices": [{"delta": {"content": "a"}}]},
-              {"choices": [{"delta": {"content": "b"}}]}]
+              {"choices": [{"delta": {"content": "b"}}]},
+              {"choices": [], "usage": {"prompt_tokens": 7}}]
     raw = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
-    assert soak.answer_text(chat, True, raw + "data: [DONE]\n\n") == "ab"
-    assert soak.answer_text(chat, True, raw) is None  # cut off: no [DONE]
+    assert soak.answer(chat, True, raw + "data: [DONE]\n\n") == ("ab", 7)
+    assert soak.answer(chat, True, raw) == (None, 0)  # cut off: no [DONE]
     broken = raw + 'data: {"error": {"message": "engine died"}}\n\ndata: [DONE]\n\n'
-    assert soak.answer_text(chat, True, broken) is None
+    assert soak.answer(chat, True, broken) == (None, 0)
 
 
 def test_the_mix_is_seeded_and_mixed() -> None:
