@@ -73,6 +73,8 @@ class AccessRecord:
     @property
     def path(self) -> str:
         """The request's path, as the client histograms label it (metrics' PATHS)."""
+        if self.fallback == "no_decode":  # no D in rotation: P served it whole
+            return "p_alone"
         if self.fallback is not None or self.placed is None:
             return "d_alone"
         if self.placed.where != "remote":

@@ -245,14 +245,15 @@ class Proxy:
 
     def cannot_answer(self) -> str | None:
         """Why a generation request would get a 503 now; None: it would be answered. One
-        rule for requests and /ready: a D in rotation, and a P too unless requests fall
-        back to D alone (once any P has had an engine id: before, the cluster is still
-        starting)."""
+        rule for requests and /ready: a D in rotation (or a P, which then serves requests
+        whole), and a P too unless requests fall back to D alone (once any P has had an
+        engine id: before, the cluster is still starting)."""
         if self.shutting_down:
             return "the proxy is shutting down"
         if not self.backends.ever_ready:
             return "not ready: no prefill node has reported an engine id yet"
-        if not self.backends.ready_decode():
+        if not self.backends.ready_decode() and not (self.settings.fallback_to_prefill
+                                                     and self.backends.ready_prefill()):
             return "no decode node is healthy"
         if not self.backends.ready_prefill() and not self.settings.fallback_to_decode:
             return "no prefill node is healthy with a known engine id"

@@ -22,6 +22,7 @@ from appliance.proxy.app import Proxy
 from appliance.proxy.errors import NodeDown, ProxyError
 from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.bodies import uuid4_str
+from appliance.proxy.exchange.paths import NO_DECODE
 from appliance.proxy.flight import Flight
 from appliance.proxy.nodes.backends import Backend, PrefillBackend
 from appliance.proxy.openai_api import (
@@ -114,6 +115,8 @@ class Entry:
         why = await px.wait_answerable()
         if why is not None:
             raise ProxyError(503, why)
+        if not px.backends.ready_decode() and turn is None:
+            return await self._on_prefill_alone(request, flight, body)
         prefills = px.backends.ready_prefill()
         size = px.placement.tokens(body, rec.route)  # (estimated tokens, characters)
         if prefills and px.prefix is not None:
@@ -137,6 +140,17 @@ class Entry:
         if turn is not None:
             turn.answered(resp.status, rec)
         return resp
+
+    async def _on_prefill_alone(self, request: web.Request, flight: Flight,
+                                body: dict[str, Any]) -> web.StreamResponse:
+        """No decode node in rotation (down, restarting, drained), a P is: it serves the
+        request whole, as when placed `p_alone`, rather than the client getting a 503."""
+        px = self.proxy
+        flight.rec.stream = body.get("stream") is True
+        p = px.router.pick_prefill(px.backends.ready_prefill(), flight.prefix)
+        flight.serve_on(p, holds_node=True)
+        flight.rec.prefill = p.url
+        return await px.paths.plain(request, flight, body, p, NO_DECODE)
 
     async def _serve(self, request: web.Request, flight: Flight, body: dict[str, Any],
                      d: Backend, size: tuple[int, int],

@@ -166,6 +166,9 @@ class ProxySettings(BaseModel):
                              "gets the error)")
     fallback_to_decode: Annotated[bool, Flag(PLACEMENT, name="fallback")] = Field(
         True, description="serve by D alone when P is unreachable or times out, instead of a 503")
+    fallback_to_prefill: Annotated[bool, Flag(PLACEMENT)] = Field(
+        True, description="with no decode node in rotation (all down, restarting or drained), "
+                          "P serves requests whole, instead of a 503")
     # This appliance's connector sends the KV whatever the finish reason, so D is left
     # alone. vLLM's built-in MooncakeConnector only sends KV for length-capped requests, and
     # D would wait for KV that never comes (vllm#46008).

@@ -54,7 +54,9 @@ async def test_admin_api_needs_the_node_key_and_names_nodes(make_cluster: MakeCl
     status, body = await _admin(c, "drain", "http://nowhere:1", "node-key")
     assert status == 404 and "known:" in body["error"]["message"]
     assert (await _admin(c, "drain", "decode", "node-key"))[0] == 200
-    assert (await c.post())[0] == 503  # every decode node drained: nothing to send to
+    assert (await c.post())[0] == 200  # every decode node drained: P answers it whole
+    assert (await _admin(c, "drain", "prefill", "node-key"))[0] == 200
+    assert (await c.post())[0] == 503  # and with P drained too, nothing is left
 
 
 class _Proxy:

@@ -51,7 +51,7 @@ async def test_no_fallback_needs_a_p(make_cluster: MakeCluster) -> None:
 
 
 async def test_no_decode_is_not_ready(make_cluster: MakeCluster) -> None:
-    c = await make_cluster()
+    c = await make_cluster(fallback_to_prefill=False)  # else P answers (test_no_decode)
     c.decode[0].healthy = False
     await c.wait_for(lambda: _ready_is(c, 503))
     assert (await _ready(c))[1]["reason"] == "no decode node is healthy"
@@ -85,7 +85,7 @@ async def test_a_request_waits_moments_for_a_node_rather_than_a_503(
     """No D in rotation for a moment (a rollout's handover: the new D's first check not yet
     done when the old one leaves): a request waits up to node_wait_s for one to come back,
     and gets a 503 only past it."""
-    c = await make_cluster(node_wait_s=10.0)
+    c = await make_cluster(node_wait_s=10.0, fallback_to_prefill=False)
     c.decode[0].healthy = False
     await c.wait_for(lambda: _ready_is(c, 503))
     pending = asyncio.ensure_future(c.post())
@@ -95,7 +95,7 @@ async def test_a_request_waits_moments_for_a_node_rather_than_a_503(
     status, _, _ = await asyncio.wait_for(pending, 10)
     assert status == 200
 
-    short = await make_cluster(node_wait_s=0.3)
+    short = await make_cluster(node_wait_s=0.3, fallback_to_prefill=False)
     short.decode[0].healthy = False
     await short.wait_for(lambda: _ready_is(short, 503))
     begin = time.monotonic()

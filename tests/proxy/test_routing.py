@@ -34,7 +34,7 @@ async def test_readiness_waits_for_an_engine_id(make_cluster: MakeCluster) -> No
 
 
 async def test_health_needs_a_decode_node(make_cluster: MakeCluster) -> None:
-    c = await make_cluster()
+    c = await make_cluster(fallback_to_prefill=False)  # else P answers (test_no_decode)
     c.decode[0].healthy = False
     await c.wait_for(lambda: _health_is(c, 503))
     async with c.http.get(f"{c.url}/health") as r:

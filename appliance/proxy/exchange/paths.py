@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 _encode = msgspec.json.encode
 # The fallback's reason when the node serving a request went down before its first byte.
 DECODE_DOWN = "decode_down"
+# ... and when no decode node was in rotation at all: a P served it whole.
+NO_DECODE = "no_decode"
 # One upstream call of the cold path: pool, response sent already (or None), body, read
 # timeout, headers.
 _Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
@@ -306,7 +308,7 @@ class Paths:
 
     async def plain(self, request: web.Request, flight: Flight, body: dict[str, Any],
                     d: Backend, reason: str) -> web.StreamResponse:
-        """D alone, local prefill, no kv_transfer_params: the fallback when P cannot help."""
+        """One node alone, no kv_transfer_params: D when P cannot help, P when no D can."""
         rec = flight.rec
         if flight.kv is not None:  # this D request does not ask for whatever P holds
             flight.kv.given_up(f"D asked alone ({reason})")
