@@ -253,6 +253,7 @@ async def soak(args: argparse.Namespace) -> dict:
         held = await soakfaults.blocks_held_when_idle(node, within=60)
         after = {"KV usage once idle (P, D)": held,
                  "proxy RSS after warm-up KiB": rss_start,
+                 "proxy RSS before its restart KiB": soakfaults.PROXY_RSS_BEFORE_RESTART[:1],
                  "proxy RSS at the end KiB": soakfaults.rss_kib(node.proxy),
                  "proxy restarted meanwhile": "proxy_restarted" in args.faults}
         return report(load, records, counts, after, args.minutes)

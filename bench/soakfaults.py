@@ -27,6 +27,7 @@ from appliance.process import ServiceProcess
 
 FAULTS = ("d_killed", "p_killed", "p_frozen", "link_reset", "proxy_restarted")
 FROZEN_S = 10.0
+PROXY_RSS_BEFORE_RESTART: list[int] = []  # KiB, as each proxy_restarted found it
 RECOVERY_LIMIT_S = 300.0
 
 # What the soak counts, from which part: (role, series, label filter).
@@ -198,6 +199,7 @@ def _side_channel_ports(node: Any) -> list[int]:
 
 
 async def _proxy_restarted(node: Any) -> str:
+    PROXY_RSS_BEFORE_RESTART.append(rss_kib(node.proxy))  # its growth until then
     node.proxy.stop()  # SIGTERM: the proxy drains (--drain-grace), then exits
     await _restart(node.proxy)
     return "proxy"
