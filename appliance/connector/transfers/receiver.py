@@ -17,7 +17,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq.asyncio
 
@@ -32,38 +31,13 @@ from appliance.connector.sidechannel.producers import Producers
 from appliance.connector.spans import TransferSpans
 from appliance.connector.stats import TransferStats
 from appliance.connector.transfers import digest
-from appliance.connector.transfers.state import Transfer, TransferState
+from appliance.connector.transfers.incoming import Incoming, remaining_ms
+from appliance.connector.transfers.state import TransferState
 from appliance.connector.transfers.transport import Transport
 from appliance.sidechannel import curve
 from appliance.sidechannel import messages as m
 
 log = logging.getLogger("vllm.appliance.connector.transfers.receiver")
-
-
-@dataclass
-class Incoming(Transfer):
-    side: str = "recv"
-    d_req_id: str = ""
-    spec: RecvSpec | None = None
-    deadline: float = 0.0
-    # The producer workers asked (side-channel addresses) that have not answered yet: one,
-    # or with P's TP larger than ours each one holding some of our heads.
-    waiting: set[str] = field(default_factory=set)
-    failure: str | None = None  # a producer's failure, once the others have answered
-    # Given up on (aborted, or past its deadline) while the producer may be writing into
-    # its blocks: they stay held until the producer answers or until hold_until, after
-    # which it can write nothing more (see Receiver._give_up).
-    cancelled: bool = False
-    cancel_reason: str = ""
-    hold_until: float = 0.0
-    # Checked before vLLM may read its blocks (`verify_kv`): each producer's digest of what
-    # it wrote (None: it sent none), summed and compared with ours of what landed.
-    verify: bool = False
-    digests: list[int | None] = field(default_factory=list)
-
-
-def _remaining_ms(deadline: float) -> int:
-    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 class Receiver:
@@ -162,7 +136,7 @@ class Receiver:
             rpc_port=self.transport.rpc_port, layout_id=self.layout_id,
             reqs=[m.ReqEntry(inc.d_req_id, inc.transfer_id,
                              [list(g) for g in inc.spec.block_ids],
-                             _remaining_ms(inc.deadline), inc.verify)],
+                             remaining_ms(inc.deadline), inc.verify)],
             tp_rank=self.tp_rank, tp_size=self.tp_size,
             layout=layout_to_wire(self.regions) if include else None)
         peer.layout_sent = True
