@@ -31,6 +31,8 @@ from appliance.netaddr import host_port
 _DEADLINES = Deadlines()
 
 Role = Literal["producer", "consumer"]
+# Which pulls D checks against P's digest (appliance.connector.transfers.digest).
+VerifyKv = Literal["off", "sample", "all"]
 
 
 class ConnectorSettings(BaseModel):
@@ -93,7 +95,7 @@ class ConnectorSettings(BaseModel):
     # Consumer: which pulls D checks before a step reads their KV (transfers/digest.py): P
     # sends a digest of what it wrote, D sums what landed, a mismatch is recomputed here
     # (vLLM's load-failure policy), counted. "sample": one pull in 16.
-    verify_kv: Literal["off", "sample", "all"] = "sample"
+    verify_kv: VerifyKv = "sample"
     # Descriptors per batch write to one peer (Mooncake TCP rejects very large batches).
     max_batch_descs: int = Field(1024, ge=1)
     # Consumer: if set, only these bootstrap addresses may be named by a request.

@@ -133,7 +133,8 @@ PROM_COUNTERS = {
     "digest_mismatches": ("vllm:pd_kv_digest_mismatches",
                           "Pulls whose KV did not match P's digest: recomputed, never used."),
     "unverified": ("vllm:pd_kv_unverified",
-                   "Pulls chosen for a check that P sent no digest for (accepted unchecked)."),
+                   "Pulls chosen for a check that could not be made (KV not in whole words "
+                   "on P or D): taken unchecked."),
     "peers_opened": ("vllm:pd_side_channel_peers_opened",
                      "Side-channel sockets this decode server opened to prefill workers."),
     "peers_closed": ("vllm:pd_side_channel_peers_closed",

@@ -18,14 +18,14 @@ import ctypes
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from appliance.connector.planning.descriptors import GroupBlocks, pair_blocks
 from appliance.connector.planning.plan import Region
+from appliance.connector.settings import VerifyKv
 
-VerifyKv = Literal["off", "sample", "all"]
 SAMPLE_ONE_IN = 16  # `sample`: one pull in this many is checked
 _MASK = (1 << 64) - 1
 _K0 = 0x9E3779B97F4A7C15  # odd constants of splitmix64: addresses and words spread over

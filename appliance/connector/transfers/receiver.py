@@ -249,21 +249,23 @@ class Receiver:
         """Fail closed: a pull whose blocks do not hold what its producers wrote is handed
         to vLLM's load-failure policy (recomputed here), never decoded from."""
         assert inc.spec is not None
-        if None in inc.digests:  # a producer that could not sum its slices
-            self.stats.record_verify("unverified")
-            self._finish(inc, ok=not inc.cancelled, error=inc.cancel_reason)
+        mine = None
+        if None not in inc.digests:  # else a producer could not sum its slices
+            slices = digest.received_slices(self.regions, inc.spec.block_ids)
+            try:
+                mine = await asyncio.get_running_loop().run_in_executor(
+                    None, self._digester, slices)
+            except Exception:  # noqa: BLE001 - unreadable memory is no KV to trust
+                log.exception("d_req=%s transfer=%s: digest failed", inc.d_req_id,
+                              inc.transfer_id)
+                self._finish(inc, ok=False, error="its blocks could not be summed")
+                return
+        if inc.cancelled:  # aborted meanwhile: vLLM frees the blocks either way
+            self._finish(inc, ok=False, error=inc.cancel_reason)
             return
-        slices = digest.received_slices(self.regions, inc.spec.block_ids)
-        try:
-            mine = await asyncio.get_running_loop().run_in_executor(None, self._digester,
-                                                                    slices)
-        except Exception:  # noqa: BLE001 - unreadable memory is no KV to trust
-            log.exception("d_req=%s transfer=%s: digest failed", inc.d_req_id, inc.transfer_id)
-            mine = None
-        if mine is None or inc.cancelled:
+        if mine is None:  # memory not in whole words on one side: taken unchecked
             self.stats.record_verify("unverified")
-            self._finish(inc, ok=not inc.cancelled and mine is not None,
-                         error=inc.cancel_reason or "its blocks could not be summed")
+            self._finish(inc, ok=True)
             return
         theirs = digest.combine([d for d in inc.digests if d is not None])
         if mine == theirs:
