@@ -16,7 +16,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -57,20 +57,12 @@ class Counters:
     def totals(self) -> dict[str, float]:
         return {key: c.total for key, c in self._counters.items()}
 
-    def _read(self, role: str) -> list[tuple[str, dict[str, str], float]]:
-        service = {"proxy": "proxy", "prefill": "prefill", "decode": "decode"}[role]
-        req = urllib.request.Request(_url(self.node, role) + "/metrics",
-                                     headers=self.node.auth_headers(service)
-                                     if role != "proxy" else {})
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return metric_samples(r.read().decode())
-
     def poll(self) -> None:
         by_role: dict[str, list] = {}
         for key, (role, name, labels) in SERIES.items():
             if role not in by_role:
                 try:
-                    by_role[role] = self._read(role)
+                    by_role[role] = _samples(self.node, role)
                 except OSError:
                     by_role[role] = []  # down or restarting: read it next time
                     continue
@@ -107,12 +99,16 @@ async def blocks_held_when_idle(node: Any, within: float) -> tuple[float, float]
         await asyncio.sleep(1.0)
 
 
-def _usage(node: Any, role: str) -> float:
+def _samples(node: Any, role: str) -> list[tuple[str, dict[str, str], float]]:
+    """`role`'s /metrics (P and D need the node's key; the proxy's is open)."""
     req = urllib.request.Request(_url(node, role) + "/metrics",
-                                 headers=node.auth_headers(role))
+                                 headers={} if role == "proxy" else node.auth_headers(role))
     with urllib.request.urlopen(req, timeout=5) as r:
-        samples = metric_samples(r.read().decode())
-    return max(v for n, _, v in samples if n == "vllm:kv_cache_usage_perc")
+        return metric_samples(r.read().decode())
+
+
+def _usage(node: Any, role: str) -> float:
+    return max(v for n, _, v in _samples(node, role) if n == "vllm:kv_cache_usage_perc")
 
 
 # One request through the proxy, answered exactly or not (the load's own check).
@@ -131,7 +127,6 @@ class Record:
 class Fault:
     name: str
     act: Callable[[Any], Awaitable[str]]  # returns the role to see back in rotation, or ""
-    extra: dict = field(default_factory=dict)
 
     async def run(self, node: Any, probe: Probe) -> Record:
         began = time.monotonic()

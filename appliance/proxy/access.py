@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from appliance.proxy.placement import Decision
 
 access_log = logging.getLogger("appliance.proxy.access")
+# The fallback's reason when no decode node was in rotation at all: a P served it whole.
+NO_DECODE = "no_decode"
 
 
 def client_request_id(headers: Mapping[str, str]) -> str | None:
@@ -73,7 +75,7 @@ class AccessRecord:
     @property
     def path(self) -> str:
         """The request's path, as the client histograms label it (metrics' PATHS)."""
-        if self.fallback == "no_decode":  # no D in rotation: P served it whole
+        if self.fallback == NO_DECODE:  # no D in rotation: P served it whole
             return "p_alone"
         if self.fallback is not None or self.placed is None:
             return "d_alone"

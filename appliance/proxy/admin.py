@@ -2,8 +2,8 @@
 
 `POST /admin/drain {"node": URL | "prefill" | "decode"}` takes nodes out of rotation (they
 get nothing new; what they have finishes, or after `handover_after_s`, default
-`drain_handover_s`, goes on from other engines: nodes/handover.py), `POST /admin/undrain`
-puts them back, `GET
+`drain_handover_s` (0: never), goes on from other engines: nodes/handover.py), `POST
+/admin/undrain` puts them back, `GET
 /admin/drain` says what is draining and what it still holds (`pdctl drain` drives these).
 `PUT /admin/tracing {"sample_ratio": R, "enabled": B}` turns tracing up, down, off and on
 again without a restart, where an OTLP endpoint is set (`GET` says how it stands; `pdctl
@@ -113,7 +113,8 @@ def routes(proxy: Proxy) -> list[web.RouteDef]:
         if not isinstance(node, str) or (after is not None and (
                 isinstance(after, bool) or not isinstance(after, (int, float)) or after < 0)):
             return json_error(400, 'expected {"node": URL | "prefill" | "decode"} and, to '
-                                   'drain, optionally "handover_after_s": seconds >= 0')
+                                   'drain, optionally "handover_after_s": seconds >= 0 '
+                                   '(0: never)')
         found = proxy.backends.find(node)
         if not found:
             return json_error(404, f"no node {node!r} (known: "

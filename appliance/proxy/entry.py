@@ -17,12 +17,11 @@ from typing import Any
 from aiohttp import web
 
 from appliance.httperrors import CLIENT_GONE, json_error
-from appliance.proxy.access import AccessRecord, client_request_id
+from appliance.proxy.access import NO_DECODE, AccessRecord, client_request_id
 from appliance.proxy.app import Proxy
 from appliance.proxy.errors import NodeDown, ProxyError
 from appliance.proxy.exchange import first_token
 from appliance.proxy.exchange.bodies import uuid4_str
-from appliance.proxy.exchange.paths import NO_DECODE
 from appliance.proxy.flight import Flight
 from appliance.proxy.nodes.backends import Backend, PrefillBackend
 from appliance.proxy.openai_api import (
@@ -111,6 +110,7 @@ class Entry:
         # Received already, within body_timeout_s and max_body_bytes (appliance.proxy.intake).
         body = parse_request(await request.read(), rec.route)
         turn = Turn.begin(body, px.homes) if rec.route == RESPONSES else None
+        rec.stream = body.get("stream") is True
 
         why = await px.wait_answerable()
         if why is not None:
@@ -121,7 +121,6 @@ class Entry:
         size = px.placement.tokens(body, rec.route)  # (estimated tokens, characters)
         if prefills and px.prefix is not None:
             flight.looked_up(await self._lookup(body, rec.route, prefills, size[0]))
-        rec.stream = body.get("stream") is True
         asked = time.monotonic()
         d = await px.admission.admit(
             flight, px.backends.ready_decode if turn is None
@@ -146,7 +145,6 @@ class Entry:
         """No decode node in rotation (down, restarting, drained), a P is: it serves the
         request whole, as when placed `p_alone`, rather than the client getting a 503."""
         px = self.proxy
-        flight.rec.stream = body.get("stream") is True
         p = px.router.pick_prefill(px.backends.ready_prefill(), flight.prefix)
         flight.serve_on(p, holds_node=True)
         flight.rec.prefill = p.url

@@ -79,7 +79,7 @@ def _call(url: str, key_file: Path, body: dict | None = None, method: str = "POS
               help="wait until the drained nodes hold no request (exit 1 if they still do)")
 @click.option("--handover-after", type=float, default=None, metavar="SECONDS",
               help="what the nodes still answer after this long goes on from other engines "
-                   "(default: the proxy's drain_handover_s, 120)")
+                   "(0: never; default: the proxy's drain_handover_s, 120)")
 @click.pass_context
 def drain(ctx: click.Context, node: str, config_path: Path | None, local: bool,
           run_dir: Path | None, undo: bool, wait: float, handover_after: float | None) -> None:

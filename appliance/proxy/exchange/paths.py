@@ -38,8 +38,6 @@ log = logging.getLogger(__name__)
 _encode = msgspec.json.encode
 # The fallback's reason when the node serving a request went down before its first byte.
 DECODE_DOWN = "decode_down"
-# ... and when no decode node was in rotation at all: a P served it whole.
-NO_DECODE = "no_decode"
 # One upstream call of the cold path: pool, response sent already (or None), body, read
 # timeout, headers.
 _Call = tuple[Pool, "Response | None", bytes, float, dict[str, str]]
