@@ -1,8 +1,8 @@
 """D SIGKILLed mid-answer on a 1P1D node (real vLLM P and D on CPU, the tiny model): the
 answer goes on from P and the client gets it whole, token for token a plain server's
-(appliance.proxy.exchange.migration). A stream led by P's token continues after the
-tokens the client has, in the same stream; a whole answer is asked again of P. D is
-started again after each, and nothing is held at the end."""
+(appliance.proxy.exchange.migration). A stream led by P's token, or served by D alone,
+continues after the tokens the client has, in the same stream; a whole answer is asked
+again of P. D is started again after each, and nothing is held at the end."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ import aiohttp
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.conftest import plain_request, running_node, text_of, token_prompt
+from tests.e2e.conftest import (
+    plain_request,
+    running_node,
+    second_proxy,
+    text_of,
+    token_prompt,
+)
 from tests.e2e.observe import in_rotation, metric, wait_no_blocks_held
 
 pytestmark = pytest.mark.slow
@@ -59,23 +65,29 @@ def _piece(event: dict) -> str:
     return choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
 
 
-@pytest.mark.parametrize("route", ["completions", "chat"])
-async def test_d_killed_mid_stream_the_stream_goes_on_from_p(node, plain_server, route):
-    expected = text_of(await plain_request(plain_server, _path(route), _body(route, False)))
-    before = metric(node.spec.proxy_url, 'pd_proxy_migrations_total{how="continued"}')
+async def _stream_killing_d(node, url: str, route: str) -> tuple[list[dict], bool]:
+    """A long stream through the proxy at `url`, D killed once 8 events reached the client:
+    its events and whether it ended with [DONE]."""
     events: list[dict] = []
     done = False
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
-        async with http.post(node.spec.proxy_url + _path(route),
-                             json=_body(route, True)) as r:
+        async with http.post(url + _path(route), json=_body(route, True)) as r:
             assert r.status == 200
             async for line in r.content:
                 if line.startswith(b"data: [DONE]"):
                     done = True
                 elif line.startswith(b"data: {"):
                     events.append(json.loads(line[6:]))
-                    if len(events) == 8:  # P's token and some of D's reached the client
+                    if len(events) == 8:  # some of D's tokens reached the client
                         _kill_d(node)
+    return events, done
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_d_killed_mid_stream_the_stream_goes_on_from_p(node, plain_server, route):
+    expected = text_of(await plain_request(plain_server, _path(route), _body(route, False)))
+    before = metric(node.spec.proxy_url, 'pd_proxy_migrations_total{how="continued"}')
+    events, done = await _stream_killing_d(node, node.spec.proxy_url, route)
     try:
         assert done and not [e for e in events if "error" in e]
         got = "".join(_piece(e) for e in events if e.get("choices"))
@@ -83,6 +95,57 @@ async def test_d_killed_mid_stream_the_stream_goes_on_from_p(node, plain_server,
         assert metric(node.spec.proxy_url,
                       'pd_proxy_migrations_total{how="continued"}') == before + 1
     finally:
+        await _d_again(node)
+    await wait_no_blocks_held(node, within=60)
+
+
+async def _events(url: str, route: str, max_tokens: int) -> list[dict]:
+    body = {**_body(route, True), "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
+        async with http.post(url + _path(route), json=body) as r:
+            assert r.status == 200
+            raw = await r.read()
+    out = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    for e in out:  # a request's own, and each server's (a hash of its configuration)
+        e.pop("id"), e.pop("created"), e.pop("system_fingerprint", None)
+    return out
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_a_d_alone_stream_is_a_plain_servers_chunk_for_chunk(node, plain_server, route,
+                                                                   tmp_path):
+    """Followed by its token ids (asked of D, taken out), a D-alone stream's chunks are
+    the ones a plain server sends a client that did not ask for them."""
+    expected = await _events(plain_server, route, 24)
+    alone, url = second_proxy(node, tmp_path, "--split", "never")
+    alone.start()
+    try:
+        alone.wait_healthy(60)
+        assert await _events(url, route, 24) == expected
+    finally:
+        alone.stop()
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_d_alone_killed_mid_stream_the_stream_goes_on_from_p(node, plain_server, route,
+                                                                  tmp_path):
+    """A stream D serves alone (as `auto` places a lone request on an idle node; here a
+    proxy that never splits), followed by its token ids: the client's chunks are a plain
+    server's, and after D's kill P continues it."""
+    expected = text_of(await plain_request(plain_server, _path(route), _body(route, False)))
+    alone, url = second_proxy(node, tmp_path, "--split", "never")
+    alone.start()
+    try:
+        alone.wait_healthy(60)
+        events, done = await _stream_killing_d(node, url, route)
+        assert done and not [e for e in events if "error" in e]
+        assert "".join(_piece(e) for e in events if e.get("choices")) == expected
+        assert not [e for e in events if e.get("prompt_token_ids")
+                    or any(c.get("token_ids") for c in e["choices"])]
+        assert metric(url, 'pd_proxy_migrations_total{how="continued"}') == 1
+    finally:
+        alone.stop()
         await _d_again(node)
     await wait_no_blocks_held(node, within=60)
 

@@ -267,11 +267,15 @@ class FakeVLLM(FakeServer):
         await resp.prepare(request)
         if self.hang_after_headers:
             await asyncio.Event().wait()
-        # A completion of token ids asking for them back (the first-token path's D, or an
-        # answer continued elsewhere): "greedy" tokens by position, so one continued after
-        # k of them goes on with the k+1-th (tests of appliance.proxy.exchange.migration).
-        ids = rec.body.get("return_token_ids") and isinstance(rec.body.get("prompt"), list)
-        shift = len(rec.body["prompt"]) - len(self.prompt_token_ids) - 1 if ids else 0
+        # A stream asking for its token ids back (the first-token path's D, an answer
+        # continued elsewhere, a stream served alone): "greedy" tokens by position, token i
+        # is 100 + i, so one continued after k of them goes on with the k+1-th (tests of
+        # appliance.proxy.exchange.migration). As vLLM, a chat stream says its prompt's ids
+        # at the top of its first chunk, a completion in its first choice.
+        ids = bool(rec.body.get("return_token_ids"))
+        prompt = rec.body.get("prompt")
+        prompt = prompt if isinstance(prompt, list) else self.prompt_token_ids
+        shift = sum(1 for t in prompt if t >= 100) if ids else 0
         for i in range(shift, max(shift, self.chunks)):
             if self.die_after is not None and i - shift == self.die_after:
                 await _crash(request)
@@ -280,8 +284,12 @@ class FakeVLLM(FakeServer):
             chunk = _chunk(self.name, chat, i, self.finish_reason if last else None)
             if ids:
                 chunk["choices"][0]["token_ids"] = [100 + i]
-                chunk["choices"][0]["prompt_token_ids"] = rec.body["prompt"] if i == shift \
-                    else None
+                first = prompt if i == shift else None
+                if chat:
+                    if i == shift:
+                        chunk["prompt_token_ids"] = first
+                else:
+                    chunk["choices"][0]["prompt_token_ids"] = first
             await resp.write(_sse(chunk))
             rec.chunks_sent += 1
             if self.chunk_delay:

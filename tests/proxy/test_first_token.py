@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from appliance.proxy.exchange.clientstream import ClientStream
 from appliance.proxy.exchange.first_token import (
-    ClientStream,
     PrefillAnswer,
     continuation_request,
     fits,
@@ -210,17 +210,22 @@ def test_completion_stream_keeps_d_token_ids_and_takes_them_out():
     assert got["choices"][0]["token_ids"] is None and got["choices"][0]["prompt_token_ids"] is None
     # Half a character: its id waits for the text that completes it.
     events(s.feed(with_ids("\ufffd", [6]) + with_ids("", [8])))
-    assert s.sent() == [5]
+    assert s.done() == [77, 5]
     events(s.feed(with_ids("é!", [9])))
-    assert s.sent() == [5, 6, 8, 9] and s.exact
+    assert s.done() == [77, 5, 6, 8, 9] and s.exact
     events(s.feed(d_chunk(" no ids")))
     assert not s.exact
 
 
 def test_usage_after_the_answer_went_on_elsewhere_counts_every_sent_token_as_output():
     s = ClientStream(completion(stream_options={"include_usage": True}), COMPLETIONS, ANSWER)
-    s.feed(d_chunk(" cat")[:12])  # the broken engine's partial event is dropped
-    s.resumed([5, 6])  # the new engine's prompt: P's 3, P's token, and 2 sent
+    for text, ids in ((" cat", [5]), (" sat", [6])):
+        obj = json.loads(d_chunk(text)[6:])
+        obj["choices"][0]["token_ids"] = ids
+        s.feed(b"data: " + json.dumps(obj).encode() + b"\n\n")
+    s.feed(d_chunk(" on")[:12])  # the broken engine's partial event is dropped
+    s.resumed()  # the new engine's prompt: P's 3, P's token, and 2 sent
+    assert s.done() == [77, 5, 6]
     (usage,) = events(s.feed(d_chunk("", usage={"prompt_tokens": 6, "completion_tokens": 2,
                                                  "total_tokens": 8})))
     assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}

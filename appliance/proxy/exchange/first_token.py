@@ -10,9 +10,8 @@ token, so the text is the one text a single server would produce (token for toke
 greedy decoding).
 
 Only requests whose meaning survives the split take this path (see `ineligible`); the rest
-use the classic split. Pure functions on decoded JSON, plus the SSE rewriter that turns D's
-stream into the client's (chat chunks from D's completion chunks, usage counted as if one
-server had answered).
+use the classic split. Pure functions on decoded JSON; the client's stream, P's token and
+D's chunks rewritten, is exchange.clientstream's.
 """
 
 from __future__ import annotations
@@ -196,177 +195,26 @@ def continuation_request(body: dict[str, Any], route: str, answer: PrefillAnswer
                          transfer_id: str, bootstrap_addr: str, engine_id: str,
                          recv_timeout_ms: int | None = None) -> dict[str, Any]:
     """D's body: a completion of P's prompt ids plus P's token, pulling P's KV."""
-    out = resumed_request(body, route, answer, ())
+    out = resumed_request(body, route, answer.prompt_token_ids, [answer.token_id])
     out["kv_transfer_params"] = {
         **pull_params(transfer_id, bootstrap_addr, engine_id, recv_timeout_ms),
         "remote_num_tokens": len(answer.prompt_token_ids)}
     return out
 
 
-def resumed_request(body: dict[str, Any], route: str, answer: PrefillAnswer,
-                    sent: Sequence[int]) -> dict[str, Any]:
-    """A completion of P's prompt ids, P's token and the tokens `sent` after it, for the
-    rest of the answer (limits less what was sent). Its token ids come back with each chunk
-    (ClientStream keeps them and takes them out): if the engine answering it breaks off,
-    another continues after them (appliance.proxy.exchange.migration)."""
+def resumed_request(body: dict[str, Any], route: str, prompt_ids: Sequence[int],
+                    done: Sequence[int]) -> dict[str, Any]:
+    """A completion of the prompt's ids and the output tokens `done` already (P's token,
+    those the client has), for the rest of the answer (limits less what is done). Its token
+    ids come back with each chunk (clientstream.ClientStream keeps them and takes them out):
+    if the engine answering it breaks off, another continues after them
+    (appliance.proxy.exchange.migration)."""
     out = {k: v for k, v in body.items() if k in _CONTINUED}
-    done = 1 + len(sent)
     limit = _max_tokens(body, route)
     if limit is not None:
-        out["max_tokens"] = limit - done
+        out["max_tokens"] = limit - len(done)
     if body.get("min_tokens"):
-        out["min_tokens"] = max(0, body["min_tokens"] - done)
-    out["prompt"] = [*answer.prompt_token_ids, answer.token_id, *sent]
+        out["min_tokens"] = max(0, body["min_tokens"] - len(done))
+    out["prompt"] = [*prompt_ids, *done]
     out["return_token_ids"] = True
-    return out
-
-
-def _event(obj: Any) -> bytes:
-    return b"data: " + _encode(obj) + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"
-
-
-def _wants_usage(body: dict[str, Any]) -> tuple[bool, bool]:
-    opts = body.get("stream_options")
-    if not isinstance(opts, dict):
-        return False, False
-    return bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
-
-
-class ClientStream:
-    """The client's SSE stream: P's token first, then D's chunks rewritten as needed.
-
-    D is asked for its token ids (resumed_request); each chunk's are kept here and taken
-    out, so the client's chunks are a plain server's. `sent()`: the ids whose text reached
-    the client whole (a token that reads as nothing, or as half a character, waits for the
-    next one's text), what a continuation elsewhere goes on after."""
-
-    def __init__(self, body: dict[str, Any], route: str, answer: PrefillAnswer) -> None:
-        self.chat = route == CHAT
-        self.object = "chat.completion.chunk" if self.chat else "text_completion"
-        self.answer = answer
-        self.include_usage, self.continuous_usage = _wants_usage(body)
-        self._pending = b""
-        # Output tokens in the prompt of the engine answering now (P's token, then those a
-        # continuation goes on after): its usage counts them as prompt, one server as output.
-        self._shift = 1
-        self._shown: list[int] = []
-        self._unshown: list[int] = []
-        self.exact = True  # every chunk said its token ids
-
-    # ---- P's part ----
-
-    def _envelope(self, choices: list[dict[str, Any]],
-                  usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        a = self.answer
-        out = {"id": a.id, "object": self.object, "created": a.created, "model": a.model,
-               "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    def _chunk(self, delta_or_text: Any, finish: str | None, stop_reason: Any = None
-               ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta" if self.chat else "text": delta_or_text,
-                                  "logprobs": None, "finish_reason": finish}
-        if finish is not None:
-            choice["stop_reason"] = stop_reason
-        prompt = len(self.answer.prompt_token_ids)
-        usage = {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
-        return self._envelope([choice], usage if self.continuous_usage else None)
-
-    def head(self) -> bytes:
-        """P's token, as the stream's first chunk(s); the whole stream if P stopped."""
-        a = self.answer
-        finish = a.finish_reason if a.stopped else None
-        parts = []
-        if self.chat:  # vLLM opens a chat stream with the role, content empty
-            parts.append(_event(self._chunk({"role": "assistant", "content": ""}, None)))
-            parts.append(_event(self._chunk({"content": a.text}, finish, a.stop_reason)))
-        else:
-            parts.append(_event(self._chunk(a.text, finish, a.stop_reason)))
-        if a.stopped:
-            if self.include_usage and a.usage is not None:
-                parts.append(_event(self._envelope([], a.usage)))
-            parts.append(DONE)
-        return b"".join(parts)
-
-    # ---- D's part ----
-
-    def feed(self, data: bytes) -> bytes:
-        """D's bytes as they come -> the client's bytes (whole events only)."""
-        buf = self._pending + data
-        cut = buf.rfind(b"\n\n")
-        if cut < 0:
-            self._pending = buf
-            return b""
-        self._pending = buf[cut + 2:]
-        return b"".join(self._rewrite(ev) + b"\n\n" for ev in buf[:cut].split(b"\n\n") if ev)
-
-    def flush(self) -> bytes:
-        """A last event D did not end with a blank line."""
-        rest, self._pending = self._pending, b""
-        return self._rewrite(rest.strip()) if rest.strip() else rest
-
-    def sent(self) -> list[int]:
-        return list(self._shown)
-
-    def resumed(self, sent: Sequence[int]) -> None:
-        """Another engine continues after P's token and `sent`: the broken engine's partial
-        event is dropped, and the new one's usage counts them as prompt."""
-        self._pending = b""
-        self._unshown = []
-        self._shift = 1 + len(sent)
-
-    def _rewrite(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: ") or event[6:].strip() == b"[DONE]":
-            return event
-        try:
-            obj = _decode(event[6:])
-        except msgspec.DecodeError:
-            return event
-        if not isinstance(obj, dict) or "error" in obj:
-            return event
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            # D counted P's token (and those it continues after) as prompt: one server
-            # counts them as output.
-            for key, step in (("prompt_tokens", -self._shift),
-                              ("completion_tokens", self._shift)):
-                if isinstance(usage.get(key), int):
-                    usage[key] += step
-        choices = obj.get("choices")
-        if isinstance(choices, list):
-            for c in choices:
-                if isinstance(c, dict):
-                    self._keep_ids(c)
-            if self.chat:
-                obj["id"] = self.answer.id
-                obj["object"] = self.object
-                obj["choices"] = [_chat_choice(c) for c in choices if isinstance(c, dict)]
-        return b"data: " + _encode(obj)
-
-    def _keep_ids(self, c: dict[str, Any]) -> None:
-        ids, text = c.get("token_ids"), c.get("text")
-        if "token_ids" in c:  # the client did not ask for them (not eligible otherwise)
-            c["token_ids"] = None
-        if c.get("prompt_token_ids") is not None:
-            c["prompt_token_ids"] = None
-        if not isinstance(ids, list):
-            if text:
-                self.exact = False
-            return
-        self._unshown += ids
-        if isinstance(text, str) and text and not text.endswith("\ufffd"):
-            self._shown += self._unshown
-            self._unshown = []
-
-
-def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
-    out = {"index": c.get("index", 0), "delta": {"content": c.get("text", "")},
-           "logprobs": None, "finish_reason": c.get("finish_reason")}
-    if "stop_reason" in c and c.get("finish_reason") is not None:
-        out["stop_reason"] = c["stop_reason"]
     return out

@@ -7,15 +7,17 @@ whole requests), at most `migration_limit` times per request, each counted
 - before the client's first byte, the request again, whole (Paths.elsewhere; a whole
   answer's first byte is its last, so a non-stream request is always this case; a stream
   whose headers went out but none of its events goes on in the same stream);
-- a stream led by P's token (exchange.first_token): the rest of the answer after the tokens
-  the client has, by their ids (D returns them with each chunk; the proxy takes them out),
-  with what is left of max_tokens and min_tokens. The client's stream goes on where it
-  stopped, with no gap and nothing repeated: under greedy decoding, one server's tokens.
-Not continued (the stream ends with an error event, as with no engine to go to): a stream
-that went out in the client's own format (the classic split, D alone, P alone: its chunks
-carry no token ids), and so everything the first-token path does not take (logprobs, n > 1,
-stop strings, penalties, structured output, the Responses API); seeded sampling is served
-whole by one engine and goes on only before its first byte (its random stream restarts).
+- a followed stream (exchange.clientstream: led by P's token, or served by D or P alone):
+  the rest of the answer after the tokens the client has, by their ids (the engine returns
+  them with each chunk; the proxy takes them out), with what is left of max_tokens and
+  min_tokens. The client's stream goes on where it stopped, with no gap and nothing
+  repeated: under greedy decoding, one server's tokens.
+Not continued (the stream ends with an error event, as with no engine to go to): the
+classic split's streams (D's chunks carry no token ids), and so everything the first-token
+path does not take (logprobs, n > 1, stop strings, penalties, structured output, the
+Responses API; first_token.ineligible), a chat stream whose text a server-side parser
+shaped (reasoning, tool calls); seeded sampling is served whole by one engine and goes on
+only before its first byte (its random stream restarts).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import msgspec
 
 from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.clientstream import ClientStream
 from appliance.proxy.exchange.relay import Resume
 from appliance.proxy.flight import Flight
 from appliance.proxy.metrics import ProxyMetrics
@@ -103,23 +106,31 @@ class Migration:
         return resume
 
     def continued(self, flight: Flight, failed: Backend, body: dict[str, Any],
-                  answer: first_token.PrefillAnswer, stream: first_token.ClientStream
-                  ) -> Resume:
-        """A stream led by P's token: the rest of it after the tokens the client has."""
+                  stream: ClientStream, again: bytes | None = None) -> Resume:
+        """A followed stream: the rest of it after the tokens the client has. `again`: a
+        stream served alone, asked again whole (these bytes) while none of the engine's
+        events reached the client."""
         route = flight.rec.route
         serving = failed.url  # the engine that broke off last
 
         async def resume(relayed: bool, why: str) -> Response | None:
             nonlocal serving
             node = self.to(flight, serving)
-            if node is None or not stream.exact:
+            if node is None:
                 return None
-            sent = stream.sent()
-            data = first_token.resumed_request(body, route, answer, sent)
+            if again is not None and not relayed and stream.native:
+                self.moved(flight, node, "whole", why)
+                serving = node.url
+                return await self.send(flight, node, route, again)
+            if not stream.continuable:
+                return None
+            assert stream.prompt_ids is not None
+            done = stream.done()
+            data = first_token.resumed_request(body, route, stream.prompt_ids, done)
             if data.get("max_tokens", 1) <= 0:
                 return None  # it had every token; only its end was lost
-            self.moved(flight, node, "continued", f"{why} after {1 + len(sent)} tokens")
-            stream.resumed(sent)
+            self.moved(flight, node, "continued", f"{why} after {len(done)} tokens")
+            stream.resumed()
             serving = node.url
             return await self.send(flight, node, COMPLETIONS, _encode(data))
         return resume

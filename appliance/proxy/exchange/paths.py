@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from appliance.proxy.errors import NodeDown, ProxyError, status_kind, upstream_error_body
-from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange import clientstream, first_token
 from appliance.proxy.exchange.bodies import decode_body, new_transfer_id, prefill_body
 from appliance.proxy.exchange.migration import Migration
 from appliance.proxy.exchange.relay import Relay, json_response
@@ -249,7 +249,7 @@ class Paths:
             return await self.relay.relay(request, flight, d, d_resp,
                                           self._alone(flight, d, rec.route, _encode(body)),
                                           self.migration.whole(flight, d, body))
-        stream = first_token.ClientStream(body, rec.route, answer)
+        stream = clientstream.ClientStream(body, rec.route, answer)
         if answer.stopped:  # P's token is the whole answer; P freed its KV by itself
             kv.move(Holder.NONE, "P's token ended the answer")
             self.metrics.first_token.labels("prefill_only").inc()
@@ -271,7 +271,7 @@ class Paths:
             out = await self.relay.open_stream(request, flight, stream.head())
             return await self.relay.continue_stream(
                 flight, d, d_resp, out, stream, alone,
-                self.migration.continued(flight, d, body, answer, stream))
+                self.migration.continued(flight, d, body, stream))
         finally:
             d_resp.close()
 
@@ -321,9 +321,17 @@ class Paths:
         fallback's last leg."""
         rec = flight.rec
         rec.decode = node.url  # the access line names the engine that decodes
-        upstream = await self._send_decode(flight, node, rec.route, _encode(body))
-        return await self.relay.relay(request, flight, node, upstream,
-                                      resume=self.migration.whole(flight, node, body))
+        # A stream is followed by its token ids where it can go on elsewhere exactly.
+        follow = clientstream.follow(body, rec.route)
+        if follow is None:
+            upstream = await self._send_decode(flight, node, rec.route, _encode(body))
+            return await self.relay.relay(request, flight, node, upstream,
+                                          resume=self.migration.whole(flight, node, body))
+        data = _encode({**body, "return_token_ids": True})
+        upstream = await self._send_decode(flight, node, rec.route, data)
+        return await self.relay.relay(
+            request, flight, node, upstream, follow=follow,
+            resume=self.migration.continued(flight, node, body, follow, again=data))
 
     async def elsewhere(self, request: web.Request, flight: Flight, body: dict[str, Any],
                         down: NodeDown, decodes: list[Backend],

@@ -25,7 +25,7 @@ from appliance.proxy.errors import (
     status_kind,
     upstream_error_body,
 )
-from appliance.proxy.exchange import first_token
+from appliance.proxy.exchange.clientstream import ClientStream
 from appliance.proxy.exchange.sse import event_stream, token_events
 from appliance.proxy.flight import Flight
 from appliance.proxy.metrics import ProxyMetrics
@@ -94,8 +94,10 @@ class Relay:
         return upstream_error_body(upstream.status, raw, f"{d.role} node {d.url}")
 
     async def relay(self, request: web.Request, flight: Flight, d: Backend, upstream: Response,
-                    retry: Retry = None, resume: Resume = None) -> web.StreamResponse:
-        """D's answer, streamed chunk by chunk or whole; the upstream closed after."""
+                    retry: Retry = None, resume: Resume = None,
+                    follow: ClientStream | None = None) -> web.StreamResponse:
+        """D's answer, streamed chunk by chunk or whole; the upstream closed after.
+        `follow`: a stream whose token ids the proxy follows (and takes out)."""
         rec = flight.rec
         try:
             upstream = await self._head(d, upstream, retry)
@@ -108,7 +110,8 @@ class Relay:
             content_type = upstream.header("content-type") or "application/json"
             if content_type.startswith("text/event-stream"):
                 out = await prepare_stream(request, rec, upstream.status, content_type)
-                return await self.stream(flight, d, upstream, out, retry=retry, resume=resume)
+                return await self.stream(flight, d, upstream, out, rewrite=follow,
+                                         retry=retry, resume=resume)
             try:
                 raw = await upstream.read()
             except UpstreamError as exc:
@@ -133,7 +136,7 @@ class Relay:
             upstream.close()
 
     async def continue_stream(self, flight: Flight, d: Backend, upstream: Response,
-                              out: web.StreamResponse, stream: first_token.ClientStream,
+                              out: web.StreamResponse, stream: ClientStream,
                               retry: Retry = None, resume: Resume = None
                               ) -> web.StreamResponse:
         """D's continuation after P's token; the client's headers are sent already, so a
@@ -205,7 +208,7 @@ class Relay:
 
     async def stream(self, flight: Flight, d: Backend, upstream: Response,
                      out: web.StreamResponse, *,
-                     rewrite: first_token.ClientStream | None = None,
+                     rewrite: ClientStream | None = None,
                      retry: Retry = None, resume: Resume = None) -> web.StreamResponse:
         """D's stream to the client (the caller closes `upstream`; a retried or resumed one
         is closed here)."""
