@@ -2,7 +2,7 @@
 
     python bench/proxy_overhead.py [--seconds 3] [--concurrency 1 64] [--auth] [--tracing]
         [--tracing-protocol grpc|http/protobuf] [--tracing-sample R] [--null]
-        [--compare-ref GIT_REF]
+        [--compare-ref GIT_REF] [--proxy-arg ARG ...]
 
 Fake P (with its bootstrap) and fake D are aiohttp servers on loopback that answer at once
 (D streams 16 SSE events when asked to; a stream goes P first, then D, the proxy's
@@ -138,11 +138,14 @@ def _busy(*results: Result) -> str:
     return " / ".join(f"{r.busy:.0%}" for r in results)
 
 
+_EXTRA: tuple[str, ...] = ()  # --proxy-arg: every proxy's
+
+
 def _proxy_args(port: int, p_port: int, b_port: int, d_port: int, *extra: str) -> list[str]:
     return ["-m", "appliance.proxy", "--host", "127.0.0.1", "--port", str(port),
             "--prefill", f"http://127.0.0.1:{p_port},http://127.0.0.1:{b_port}",
             "--decode", f"http://127.0.0.1:{d_port}", "--health-interval", "1",
-            "--no-log-requests", "--log-level", "WARNING", *extra]
+            "--no-log-requests", "--log-level", "WARNING", *_EXTRA, *extra]
 
 
 def main() -> None:
@@ -172,7 +175,12 @@ def main() -> None:
     ap.add_argument("--compare-ref", metavar="GIT_REF",
                     help="also the proxy as of another commit (a git worktree of it), side by "
                          "side: the before/after of a change")
+    ap.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                    help="passed to every proxy measured (repeat it; for example "
+                         "--proxy-arg=--split --proxy-arg=never: every request on D alone)")
     args = ap.parse_args()
+    global _EXTRA
+    _EXTRA = tuple(args.proxy_arg)
 
     from rich.console import Console
     from rich.table import Table

@@ -1,6 +1,6 @@
 """bench/soak.py: its checks without servers, then a short soak of the real
 local node (slow): D killed and restarted and the side channel reset under a mixed load,
-no answer another text, nothing held after."""
+every answer exact, nothing held after."""
 
 from __future__ import annotations
 
@@ -56,10 +56,7 @@ def test_a_short_soak_loses_nothing(tmp_path) -> None:
     summary = json.loads((tmp_path / "soak-1.json").read_text())
     results = summary["results"]
     assert summary["sent"] > 10 and "other_text" not in results, results
-    # A stream D alone was answering when D was killed does not go on elsewhere (streams in
-    # the client's own format carry no token ids: issue 52's open part); with 2 clients at
-    # most 2 such. Nothing else may fail.
-    failed = {k: v for k, v in results.items() if k != "exact"}
-    assert set(failed) <= {"broken_stream"} and sum(failed.values()) <= 2, results
+    # Every answer whole and a plain server's: one cut by D's kill goes on elsewhere.
+    assert set(results) == {"exact"}, results
     assert [f["recovery_s"] is not None for f in summary["faults"]] == [True, True]
     assert summary["KV usage once idle (P, D)"] == [0.0, 0.0]
