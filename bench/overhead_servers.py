@@ -14,17 +14,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 CHUNKS = 16
 
 
-def _answers() -> tuple[list[bytes], bytes, bytes, bytes]:
-    """The fakes' answers: a stream's SSE events, one token (P's answer; with token ids in
-    the proxy's first-token mode), and CHUNKS tokens."""
-    def event(i: int, finish: str | None) -> bytes:
+def _answers() -> tuple[list[bytes], list[bytes], bytes, bytes, bytes]:
+    """The fakes' answers: a stream's SSE events (without and with token ids, as vLLM's
+    compact JSON has them), one token (P's answer; with token ids in the proxy's
+    first-token mode), and CHUNKS tokens."""
+    def event(i: int, finish: str | None, ids: bool) -> bytes:
+        choice: dict = {"index": 0, "text": f" tok{i}", "logprobs": None,
+                        "finish_reason": finish, "stop_reason": None,
+                        "token_ids": [7] if ids else None,
+                        "prompt_token_ids": list(range(90)) if ids and i == 0 else None}
         return b"data: " + json.dumps({
             "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
-            "choices": [{"index": 0, "text": f" tok{i}", "finish_reason": finish}]}).encode() \
-            + b"\n\n"
+            "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
 
-    stream_body = [event(i, "length" if i == CHUNKS - 1 else None) for i in range(CHUNKS)]
-    stream_body.append(b"data: [DONE]\n\n")
+    stream_body, stream_ids = ([event(i, "length" if i == CHUNKS - 1 else None, ids)
+                                for i in range(CHUNKS)] + [b"data: [DONE]\n\n"]
+                               for ids in (False, True))
 
     def full(n: int, token_ids: bool = False) -> bytes:
         choice = {"index": 0, "text": " tok" * n, "finish_reason": "length"}
@@ -34,7 +39,7 @@ def _answers() -> tuple[list[bytes], bytes, bytes, bytes]:
             "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "tiny",
             "choices": [choice], "usage": {"prompt_tokens": 90, "completion_tokens": n}}).encode()
 
-    return stream_body, full(1), full(1, token_ids=True), full(CHUNKS)
+    return stream_body, stream_ids, full(1), full(1, token_ids=True), full(CHUNKS)
 
 
 _QUERY = json.dumps({"0": {"engine_id": "engine-bench",
@@ -51,14 +56,15 @@ def run_fake(port: int, bootstrap_port: int | None) -> None:
     """A server-like fake: aiohttp, as a small Python HTTP service costs per request."""
     from aiohttp import web
 
-    stream_body, one, one_ids, many = _answers()
+    stream_body, stream_ids, one, one_ids, many = _answers()
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for chunk in stream_body:  # one write per event, as vLLM does
+            events = stream_ids if body.get("return_token_ids") else stream_body
+            for chunk in events:  # one write per event, as vLLM does
                 await resp.write(chunk)
             await resp.write_eof()
             return resp
@@ -98,7 +104,7 @@ def run_lean_fake(port: int, bootstrap_port: int | None) -> None:
     import httptools
     import msgspec
 
-    stream_body, one, one_ids, many = _answers()
+    stream_body, stream_ids, one, one_ids, many = _answers()
     decode = msgspec.json.decode
 
     def reply(status: bytes, ctype: bytes, body: bytes) -> bytes:
@@ -113,7 +119,8 @@ def run_lean_fake(port: int, bootstrap_port: int | None) -> None:
     stream_head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                    b"Transfer-Encoding: chunked\r\n\r\n")
     # One write per event, as vLLM does; each its own chunk.
-    stream_chunks = [b"%x\r\n%s\r\n" % (len(c), c) for c in stream_body] + [b"0\r\n\r\n"]
+    stream_chunks, stream_chunks_ids = ([b"%x\r\n%s\r\n" % (len(c), c) for c in events]
+                                        + [b"0\r\n\r\n"] for events in (stream_body, stream_ids))
 
     class Conn(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -142,7 +149,8 @@ def run_lean_fake(port: int, bootstrap_port: int | None) -> None:
                 req = decode(body)
                 if req.get("stream"):
                     write(stream_head)
-                    for chunk in stream_chunks:
+                    for chunk in stream_chunks_ids if req.get("return_token_ids") \
+                            else stream_chunks:
                         write(chunk)
                 else:
                     write(canned[_pick(req, one, one_ids, many)])

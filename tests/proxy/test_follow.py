@@ -188,3 +188,10 @@ async def test_a_followed_stream_broken_before_its_first_event_is_asked_again_wh
     again = c.prefill[0].received[-1]
     assert again.path == "/v1/chat/completions" and again.body["return_token_ids"] is True
     assert 'pd_proxy_migrations_total{how="whole"} 1.0' in await c.metrics()
+
+
+async def test_without_migration_a_stream_is_not_followed(make_cluster: MakeCluster) -> None:
+    """migration_limit 0: nothing can go on elsewhere, so no event is read."""
+    c = await make_cluster(split="never", migration_limit=0)
+    evs = await stream(c, COMPLETIONS, body(COMPLETIONS))
+    assert text(evs) == "t0 t1 t2 t3 " and "return_token_ids" not in c.decode[0].bodies()[0]

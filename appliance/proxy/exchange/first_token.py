@@ -71,14 +71,14 @@ def ineligible(body: dict[str, Any], route: str) -> str | None:
     if body.get("stream") is not True:
         return "not streaming"  # a whole answer gains nothing from an early first token
     known = _KNOWN_CHAT if route == CHAT else _KNOWN_COMPLETIONS
-    unknown = sorted(k for k in body if k not in known)
+    unknown = body.keys() - known
     if unknown:
-        return f"field {unknown[0]!r}"
+        return f"field {min(unknown)!r}"
     for key in ("n", "best_of"):
         if body.get(key) not in (None, 1):
             return f"{key} > 1"
-    for key, off in _OFF.items():
-        if not any(_same(body.get(key), v) for v in off):
+    for key in _OFF.keys() & body.keys():  # asked on every stream: only the fields it has
+        if not any(_same(body[key], v) for v in _OFF[key]):
             return key
     limit = _max_tokens(body, route)
     if limit is not None and (not isinstance(limit, int) or limit <= 1):
