@@ -5,7 +5,7 @@ appliance (P on CPU 0, D on CPU 1, its own proxy) placing by `split=always` and 
 
     .venv/bin/python bench/goodput.py [--workloads short,mid,long,prefix,chat]
         [--seeds 1] [--prompts 12] [--points 3] [--rate-scale 1] [--two-proxies]
-        [--log-dir DIR]
+        [--splits always,auto] [--log-dir DIR]
 
 Workloads (the larger-KV model, its own tokenizer; `vllm bench serve`'s datasets, open
 loop, `--ignore-eos`):
@@ -20,8 +20,10 @@ rate: TTFT within 4x its median, and the worst gap within 3x its median step (ti
 prefill among running decodes breaks it) or 20x (loose). The plain server runs with the
 flags the node's engines run with on CPU (`--enforce-eager`, the same KV bytes), else vLLM's
 defaults. Every run is printed and kept as JSON under --log-dir; nothing is picked.
-With --two-proxies, `auto-2p` is auto behind two proxies (one P and D), each sent half the
-arrivals: what the engines' own load gauges buy (appliance.proxy.nodes.engineload).
+With --two-proxies, `auto-2p` is auto behind two proxies (one P and D), the same load dealt
+out to them in turn by a front (bench/splitter.py): what the engines' own load gauges buy
+(appliance.proxy.nodes.engineload). --splits picks the node's setups (plain always runs:
+the SLOs are its).
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -83,8 +84,10 @@ TWO_PROXIES = "auto-2p"  # auto, two proxies in front of one P and D, each half 
 
 
 def two_proxies(model: Path, log_dir: Path) -> tuple[Setup, list[str]]:
-    """`auto` with a second proxy beside the first (same P and D, same settings): the
-    setup and both proxies' URLs."""
+    """`auto` with a second proxy beside the first (same P and D, same settings), and a
+    front that deals requests out to them in turn (bench/splitter.py, as a load balancer
+    would): the setup, whose URL is the front's, and both proxies' URLs. The same load as
+    the other setups' meets it: the same requests at the same times."""
     setup = appliance_setup(model, log_dir, "auto", TWO_PROXIES)
     first = setup.services[-1]
     port = free_port()
@@ -94,27 +97,16 @@ def two_proxies(model: Path, log_dir: Path) -> tuple[Setup, list[str]]:
     second = replace(first, name=f"{TWO_PROXIES}-proxy-b", argv=argv,
                      log_path=log_dir / f"{TWO_PROXIES}-proxy-b.log",
                      health_url=f"{url}/health")
-    setup.services.append(second)
-    return setup, [setup.proxy_url or "", url]
-
-
-def run_split(urls: list[str], model: Path, work: Workload, rate: float, prompts: int,
-              seed: int, out: Path) -> dict:
-    """One open-loop load shared by several proxies (each its share of the rate and the
-    prompts, its own seed), their requests merged as one run's."""
-    if len(urls) == 1:
-        return run_once(urls[0], model, work, rate, prompts, seed, out)
-    n = len(urls)
-    with ThreadPoolExecutor(n) as pool:
-        parts = list(pool.map(
-            lambda i: run_once(urls[i], model, work, rate / n, max(1, prompts // n),
-                               seed + 7777 * i, out.with_name(f"{out.stem}-{i}{out.suffix}")),
-            range(n)))
-    merged: dict = {key: [x for part in parts for x in part.get(key) or []]
-                    for key in ("ttfts", "itls", "errors")}
-    merged["request_throughput"] = sum(part["request_throughput"] for part in parts)
-    out.write_text(json.dumps(merged))
-    return merged
+    proxies = [setup.proxy_url or "", url]
+    front = free_port()
+    splitter = replace(first, name=f"{TWO_PROXIES}-front",
+                       argv=[sys.executable, str(ROOT / "bench" / "splitter.py"), str(front),
+                             *proxies],
+                       log_path=log_dir / f"{TWO_PROXIES}-front.log",
+                       health_url=f"http://127.0.0.1:{front}/health")
+    setup.services += [second, splitter]
+    setup.proxy_url = f"http://127.0.0.1:{front}"
+    return setup, proxies
 
 
 def run_once(url: str, model: Path, work: Workload, rate: float, prompts: int, seed: int,
@@ -146,20 +138,24 @@ class Sweep:
     cold: dict[str, dict]
     runs: dict[str, dict[float, dict]]
     placed: dict[str, float]
+    # auto-2p's, both proxies' together (empty without it)
+    placed_2p: dict[str, float] = field(default_factory=dict)
 
     def slos(self) -> tuple[slo.Slo, slo.Slo]:
         return slo.slos_from(slo.Detail.of(self.runs["plain"][self.rates[0]]))
 
 
 def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path,
-          with_two: bool = False, scale: float = 1.0) -> Sweep:
+          with_two: bool = False, scale: float = 1.0, splits: tuple[str, ...] = SETUPS[1:]
+          ) -> Sweep:
     model = tinymodel.build(ROOT / ".cache" / "models" / MODEL, MODEL)
     setups: list[Setup] = [plain_setup(model, log_dir),
-                           *(appliance_setup(model, log_dir, split, split) for split in SETUPS[1:])]
-    urls = {s.name: [s.proxy_url or s.plain_url or ""] for s in setups}
+                           *(appliance_setup(model, log_dir, split, split) for split in splits)]
+    proxies: list[str] = []
     if with_two:
-        two, urls[TWO_PROXIES] = two_proxies(model, log_dir)
+        two, proxies = two_proxies(model, log_dir)
         setups.append(two)
+    url = {s.name: s.proxy_url or s.plain_url or "" for s in setups}
     rates = slo.geometric_rates(work.rates[0], work.rates[1] * scale, points)
     result = Sweep(work, seed, rates, {}, {s.name: {} for s in setups}, {})
     started: list[Setup] = []
@@ -168,28 +164,32 @@ def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path,
             console.log(f"{work.name} seed {seed}: starting {setup.name}")
             setup.start()
             started.append(setup)
-        url = {name: u[0] for name, u in urls.items()}
         for phase, rate, run_seed in (("cold", rates[0], seed + 500),
                                       ("warm-up", rates[-1], seed + 900)):
             for setup in setups:
                 time.sleep(SETTLE_S)
                 console.log(f"{work.name} seed {seed}: {phase} at {rate:g}/s, {setup.name}")
-                got = run_split(urls[setup.name], model, work, rate, prompts, run_seed,
-                                log_dir / f"{work.name}-{seed}-{setup.name}-{phase}.json")
+                got = run_once(url[setup.name], model, work, rate, prompts, run_seed,
+                               log_dir / f"{work.name}-{seed}-{setup.name}-{phase}.json")
                 if phase == "cold":
                     result.cold[setup.name] = got
-        before, _ = decisions(url["auto"])
+        before, _ = decisions(url["auto"]) if "auto" in url else ({}, {})
+        before_2p = [decisions(u)[0] for u in proxies]
         for i, rate in enumerate(rates):
             for setup in setups if i % 2 == 0 else reversed(setups):
                 time.sleep(SETTLE_S)
                 console.log(f"{work.name} seed {seed}: {rate:g}/s, {setup.name}")
-                result.runs[setup.name][rate] = run_split(
-                    urls[setup.name], model, work, rate, prompts, seed * 10 + i,
+                result.runs[setup.name][rate] = run_once(
+                    url[setup.name], model, work, rate, prompts, seed * 10 + i,
                     log_dir / f"{work.name}-{seed}-{setup.name}-{rate:g}.json")
-        after, why = decisions(url["auto"])
-        result.placed = {k: v - before.get(k, 0.0) for k, v in after.items()}
-        console.log(f"{work.name} seed {seed}: auto's decisions by reason: "
-                    + ", ".join(f"{k} {v:.0f}" for k, v in sorted(why.items())))
+        if "auto" in url:
+            after, why = decisions(url["auto"])
+            result.placed = {k: v - before.get(k, 0.0) for k, v in after.items()}
+            console.log(f"{work.name} seed {seed}: auto's decisions by reason: "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(why.items())))
+        for u, was in zip(proxies, before_2p, strict=True):
+            for k, v in decisions(u)[0].items():
+                result.placed_2p[k] = result.placed_2p.get(k, 0.0) + v - was.get(k, 0.0)
     finally:
         for setup in reversed(started):
             setup.stop()
@@ -199,7 +199,8 @@ def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path,
 def summary(s: Sweep) -> dict:
     """Goodput per SLO, raw throughput, and the cold runs' numbers, per setup."""
     out: dict = {"workload": s.work.name, "seed": s.seed, "rates": s.rates,
-                 "auto_placed": s.placed, "slos": {}, "setups": {}}
+                 "auto_placed": s.placed, "auto_2p_placed": s.placed_2p, "slos": {},
+                 "setups": {}}
     slos = s.slos()
     for x in slos:
         out["slos"][x.name] = {"ttft_ms": x.ttft_ms, "gap_ms": x.gap_ms}
@@ -215,15 +216,19 @@ def summary(s: Sweep) -> dict:
     return out
 
 
-def print_table(sm: dict) -> None:
-    placed = sm["auto_placed"]
+def _placed(placed: dict[str, float]) -> str:
     total = sum(placed.values()) or 1
+    return ", ".join(f"{placed.get(k, 0) / total:.0%} {k}" for k in ("local", "remote", "p_alone"))
+
+
+def print_table(sm: dict) -> None:
     slos = "; ".join(f"{k}: TTFT <= {v['ttft_ms']:.0f} ms, worst gap <= {v['gap_ms']:.0f} ms"
                      for k, v in sm["slos"].items())
+    placed = f"auto placed {_placed(sm['auto_placed'])}" if sm["auto_placed"] else ""
+    if sm.get("auto_2p_placed"):
+        placed += f"; {TWO_PROXIES} placed {_placed(sm['auto_2p_placed'])}"
     table = Table(title=f"{sm['workload']} seed {sm['seed']}, rates {sm['rates']} req/s; "
-                        f"{slos}; auto placed {placed.get('local', 0) / total:.0%} local, "
-                        f"{placed.get('remote', 0) / total:.0%} remote, "
-                        f"{placed.get('p_alone', 0) / total:.0%} p_alone")
+                        f"{slos}; {placed}")
     table.add_column("setup")
     for name in sm["slos"]:
         table.add_column(f"{name} goodput req/s", justify="right")
@@ -261,7 +266,10 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-goodput"))
     parser.add_argument("--two-proxies", action="store_true",
                         help=f"also {TWO_PROXIES}: auto with two proxies in front of one P and "
-                             f"D, each sent half the load")
+                             f"D, a front dealing the requests out to them in turn")
+    parser.add_argument("--splits", default=",".join(SETUPS[1:]),
+                        help="the node's setups beside the plain server (comma-separated "
+                             "split policies)")
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="multiplies each workload's highest arrival rate (the SLOs "
                              "come from its lowest, which stays)")
@@ -278,7 +286,8 @@ def main() -> None:
     for name in args.workloads.split(","):
         for seed in (int(x) for x in args.seeds.split(",")):
             sm = summary(sweep(WORKLOADS[name], seed, args.prompts, args.points, args.log_dir,
-                               args.two_proxies, args.rate_scale))
+                               args.two_proxies, args.rate_scale,
+                               tuple(x for x in args.splits.split(",") if x)))
             (args.log_dir / f"summary-{name}-{seed}.json").write_text(json.dumps(sm, indent=1))
             summaries.append(sm)
             print_table(sm)  # as each ends: a long run shows what it has so far
