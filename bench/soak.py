@@ -1,13 +1,16 @@
 """A soak: steady mixed load on the local node while a schedule of faults runs; what it lost.
 
     .venv/bin/python bench/soak.py [--minutes 15] [--concurrency 4] [--seed 1]
-        [--faults d_killed,p_killed,p_frozen,link_reset,proxy_restarted] [--log-dir DIR]
+        [--faults d_killed,p_killed,p_frozen,link_reset,proxy_restarted] [--client-retries 2]
+        [--log-dir DIR]
 
 The node is `pdctl up --local`'s (the tiny model, keys on, P on CPU 0, D on CPU 1, split
 `auto`), on free ports. The references come first, from one plain vLLM server of the same
 model (greedy), which then stops. The load: `--concurrency` clients, each sending a seeded
 mix of completions and chats, streamed and whole, and checking every answer against its
-reference. The faults, spread evenly over the run (bench/soakfaults.py): D SIGKILLed and
+reference; a request no answer of which began (refused, its connection closed first) is
+sent again up to twice, 0.5 s and 1 s later, as the OpenAI SDK's clients do by default
+(`--client-retries`). The faults, spread evenly over the run (bench/soakfaults.py): D SIGKILLed and
 restarted, P likewise, P frozen (SIGSTOP) 10 s, the side channel's TCP connections reset
 (`ss -K`), the proxy restarted (SIGTERM: it drains, then starts again).
 
@@ -106,10 +109,20 @@ def answer(path: str, stream: bool, raw: str) -> tuple[str | None, int]:
 class Outcome:
     started: float
     seconds: float
-    result: str  # exact, other_text, http_<status>, broken_stream, refused, client_<exc>
+    # exact, other_text, http_<status>, broken_stream, refused, client_<exc> (no answer
+    # began), cut_<exc> (the answer had begun)
+    result: str
     stream: bool
     path: str
     prompt_tokens: int = 0
+    retries: int = 0  # sent again after no answer began (refused, closed first)
+
+
+# What the OpenAI SDK does by default (`max_retries=2`, 0.5 s then 1 s): a request with no
+# answer begun (refused, or its connection closed first) is sent again.
+CLIENT_RETRIES = 2
+RETRY_AFTER_S = (0.5, 1.0)
+_NO_ANSWER = ("refused", "client_ServerDisconnectedError", "client_ClientOSError")
 
 
 async def send(http: aiohttp.ClientSession, url: str, item: Item, stream: bool,
@@ -117,7 +130,10 @@ async def send(http: aiohttp.ClientSession, url: str, item: Item, stream: bool,
     """(what came of it, the answer's prompt tokens)."""
     try:
         async with http.post(url + item.path, json=item.with_stream(stream, salt)) as r:
-            raw = await r.text()
+            try:
+                raw = await r.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                return f"cut_{type(exc).__name__}", 0  # its answer had begun
             if r.status != 200:
                 return f"http_{r.status}", 0
     except aiohttp.ClientConnectorError:
@@ -135,6 +151,7 @@ class Load:
     url: str
     work: list[Item]
     seed: int
+    retries: int = CLIENT_RETRIES
     outcomes: list[Outcome] = field(default_factory=list)
 
     async def run(self, concurrency: int, stop: asyncio.Event) -> None:
@@ -149,9 +166,16 @@ class Load:
             item, stream = rng.choice(self.work), rng.random() < 0.5
             started = time.monotonic()
             n += 1
-            result, tokens = await send(http, self.url, item, stream, f"{self.seed}-{k}-{n}")
+            retries = 0
+            while True:
+                result, tokens = await send(http, self.url, item, stream,
+                                            f"{self.seed}-{k}-{n}")
+                if result not in _NO_ANSWER or retries >= self.retries:
+                    break
+                await asyncio.sleep(RETRY_AFTER_S[min(retries, len(RETRY_AFTER_S) - 1)])
+                retries += 1
             self.outcomes.append(Outcome(started, time.monotonic() - started, result, stream,
-                                         item.path, tokens))
+                                         item.path, tokens, retries))
             if result == "refused":
                 await asyncio.sleep(0.2)  # a client's back-off, not a spin
 
@@ -180,7 +204,9 @@ def report(load: Load, faults: list[soakfaults.Record], counts: dict[str, float]
     results: dict[str, int] = {}
     for o in load.outcomes:
         results[o.result] = results.get(o.result, 0) + 1
+    retried = sum(1 for o in load.outcomes if o.retries)
     summary = {"minutes": minutes, "sent": len(load.outcomes), "results": results,
+               "retried by the client": retried,
                "counters": counts, "faults": [f.__dict__ for f in faults], **after}
     table = Table(title=f"Soak: {minutes:g} min of mixed load on the local node, faults "
                         f"{', '.join(f.name for f in faults)}")
@@ -189,6 +215,7 @@ def report(load: Load, faults: list[soakfaults.Record], counts: dict[str, float]
     table.add_row("requests sent", str(len(load.outcomes)))
     for name in sorted(results):
         table.add_row(f"  {name}", str(results[name]))
+    table.add_row("  of them sent again by the client (no answer had begun)", str(retried))
     for key, value in counts.items():
         table.add_row(key, f"{value:g}")
     for f in faults:
@@ -198,6 +225,32 @@ def report(load: Load, faults: list[soakfaults.Record], counts: dict[str, float]
         table.add_row(key, str(value))
     Console(width=160).print(table)
     return summary
+
+
+async def _sample_rss(node: LocalNode, out: list[tuple[float, int, int]],
+                      stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        proc = node.proxy.proc if node.proxy is not None else None
+        try:
+            if proc is not None and proc.poll() is None:
+                out.append((time.monotonic(), proc.pid, soakfaults.rss_kib(node.proxy)))
+        except (OSError, StopIteration):
+            pass  # between its stop and its start
+        try:
+            await asyncio.wait_for(stop.wait(), 5.0)
+        except asyncio.TimeoutError:
+            pass
+
+
+def growth(samples: list[tuple[float, int, int]]) -> str:
+    """The first proxy's RSS at its end over its RSS a quarter into its life (past its
+    warm-up: caches, the prefix index, histograms filled), as a percentage."""
+    if not samples:
+        return "-"
+    first = [(t, kib) for t, pid, kib in samples if pid == samples[0][1]]
+    t0, t1 = first[0][0], first[-1][0]
+    quarter = next(kib for t, kib in first if t >= t0 + (t1 - t0) / 4)
+    return f"{quarter} -> {first[-1][1]} KiB ({first[-1][1] / quarter - 1:+.1%})"
 
 
 async def soak(args: argparse.Namespace) -> dict:
@@ -212,7 +265,7 @@ async def soak(args: argparse.Namespace) -> dict:
         scrape = soakfaults.Counters(node)
         url = node.spec.proxy_url or ""
         stop = asyncio.Event()
-        load = Load(url, work, args.seed)
+        load = Load(url, work, args.seed, args.client_retries)
         await asyncio.to_thread(scrape.poll)
         warm = Load(url, work, args.seed + 1)
         warm_stop = asyncio.Event()
@@ -222,6 +275,8 @@ async def soak(args: argparse.Namespace) -> dict:
         await asyncio.to_thread(scrape.poll)
         baseline = dict(scrape.totals)
         scraping = asyncio.create_task(scrape.every(2.0, stop))
+        rss: list[tuple[float, int, int]] = []  # (time, proxy pid, KiB) every 5 s
+        sampling = asyncio.create_task(_sample_rss(node, rss, stop))
         running = asyncio.create_task(load.run(args.concurrency, stop))
         schedule = soakfaults.schedule(args.faults.split(","))
         gap = args.minutes * 60 / (len(schedule) + 1)
@@ -240,6 +295,7 @@ async def soak(args: argparse.Namespace) -> dict:
         stop.set()
         await running
         await scraping
+        await sampling
         await asyncio.to_thread(scrape.poll)
         counts = {k: v - baseline.get(k, 0.0) for k, v in scrape.totals.items()}
         answered = sum(o.prompt_tokens for o in load.outcomes)
@@ -255,6 +311,7 @@ async def soak(args: argparse.Namespace) -> dict:
                  "proxy RSS after warm-up KiB": rss_start,
                  "proxy RSS before its restart KiB": soakfaults.PROXY_RSS_BEFORE_RESTART[:1],
                  "proxy RSS at the end KiB": soakfaults.rss_kib(node.proxy),
+                 "first proxy's RSS growth, a quarter of its life to its end": growth(rss),
                  "proxy restarted meanwhile": "proxy_restarted" in args.faults}
         return report(load, records, counts, after, args.minutes)
     finally:
@@ -268,6 +325,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=24, help="distinct requests in the mix")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--client-retries", type=int, default=CLIENT_RETRIES,
+                        help="times a client sends a request again when no answer began "
+                             "(refused, closed first), as the OpenAI SDK does (0: never)")
     parser.add_argument("--faults", default=",".join(soakfaults.FAULTS))
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-soak"))
     args = parser.parse_args()
