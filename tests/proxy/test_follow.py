@@ -13,6 +13,8 @@ import pytest
 from appliance.proxy.exchange.clientstream import ClientStream, follow
 from appliance.proxy.openai_api import CHAT, COMPLETIONS
 from tests.proxy.conftest import Cluster, MakeCluster
+from tests.proxy.test_first_token import events
+from tests.proxy.test_first_token import texts as text
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -26,11 +28,6 @@ def body(route: str, **kw: Any) -> dict[str, Any]:
 
 def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def events(raw: bytes) -> list[Any]:
-    return [e[6:].decode() if e[6:] == b"[DONE]" else json.loads(e[6:])
-            for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
 
 
 # ---- the stream's own chunks ---------------------------------------------------------------
@@ -119,15 +116,6 @@ async def stream(c: Cluster, route: str, b: dict[str, Any]) -> list[Any]:
     async with c.http.post(f"{c.url}{path}", json=b) as r:
         assert r.status == 200
         return events(await r.read())
-
-
-def text(evs: list[Any]) -> str:
-    out = ""
-    for e in evs:
-        if isinstance(e, dict) and e.get("choices"):
-            ch = e["choices"][0]
-            out += ch["delta"].get("content") or "" if "delta" in ch else ch["text"]
-    return out
 
 
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
