@@ -9,7 +9,8 @@ transfer: P's KV is ready, D asks (request over ZMQ), P's Mooncake batch write, 
 reply (with its digest, when D asked), D sums what landed and reports the request received.
 Timed from D's ask to D's report; the first transfer
 of each mode (sidecar lookup, connect, CURVE handshake, layout) is reported apart. Modes
-alternate, their order rotating, so drift and neighbours hit both alike.
+alternate, their order rotating, so drift and neighbours hit both alike. A throughput case
+runs IN_FLIGHT transfers at once (each into D blocks of its own) and times them together.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+IN_FLIGHT = 4  # transfers at once in the throughput case
 
 # Each comparison: its two modes, the settings each adds, and what its table is called.
 COMPARISONS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
@@ -64,6 +67,8 @@ class _Mode:
             ConnectorSettings(engine_id=f"d-{name}", role="consumer", **common), d.transport,
             d.regions, "127.0.0.1", 0, 1, TransferStats())
         self.n = 0
+        self.received: set[str] = set()
+        self.sent: set[str] = set()
 
     async def transfer(self, src: list[int], dst: list[int]) -> float:
         from appliance.connector.metadata import RecvSpec
@@ -76,10 +81,14 @@ class _Mode:
         self.receiver.on_recv(f"d{tid}", RecvSpec(tid, [dst], self.engine, self.url))
         await asyncio.wait_for(done.wait(), 60)
         seconds = time.perf_counter() - t
-        finished, failed = self.receiver.take_results()
-        assert finished == {f"d{tid}"} and not failed, (finished, failed)
+        finished, failed = self.receiver.take_results()  # others' too, when several run
+        self.received |= finished
+        assert f"d{tid}" in self.received and not failed, (finished, failed)
+        self.received.discard(f"d{tid}")
         self.sender.on_finished({f"p{tid}"})
-        assert self.sender.take_finished() == {f"p{tid}"}
+        self.sent |= self.sender.take_finished()
+        assert f"p{tid}" in self.sent
+        self.sent.discard(f"p{tid}")
         return seconds
 
     async def close(self) -> None:
@@ -133,12 +142,18 @@ async def _measure(kv_cache: Callable[..., Any], shape: Any, reps: int,
 
     torch.set_num_threads(1)  # see PSide: two OpenMP threads on 2 shared cores stall
     p = _Side(kv_cache, shape, shape.p_blocks, fill=True)
-    d = _Side(kv_cache, shape, shape.d_blocks, fill=False)
+    # Room for IN_FLIGHT transfers at once, each into blocks of its own.
+    d = _Side(kv_cache, shape, shape.d_first + IN_FLIGHT * shape.blocks, fill=False)
+    src = list(range(shape.p_first, shape.p_blocks))
     cases = {
-        f"{shape.blocks} blocks": (list(range(shape.p_first, shape.p_blocks)),
-                                   list(range(shape.d_first, shape.d_blocks))),
+        f"{shape.blocks} blocks": (src, list(range(shape.d_first, shape.d_blocks))),
         "1 block": ([shape.p_first], [shape.d_first]),
     }
+    # Throughput: IN_FLIGHT transfers at once (as a loaded node has them), timed together:
+    # one transfer's sums can overlap another's write.
+    many = f"{IN_FLIGHT} x {shape.blocks} blocks in flight"
+    dsts = [list(range(shape.d_first + k * shape.blocks, shape.d_first + (k + 1) * shape.blocks))
+            for k in range(IN_FLIGHT)]
     runners, running = [], []
     try:
         for name, extra in modes.items():
@@ -150,12 +165,16 @@ async def _measure(kv_cache: Callable[..., Any], shape: Any, reps: int,
             await _registered(url)
         first = {m.name: await m.transfer(*cases["1 block"]) for m in running}
         times: dict[str, dict[str, list[float]]] = {c: {m.name: [] for m in running}
-                                                    for c in cases}
+                                                    for c in [*cases, many]}
         for rep in range(reps):
             order = running[rep % len(running):] + running[:rep % len(running)]
-            for case, (src, dst) in cases.items():
+            for case, (ids, dst) in cases.items():
                 for mode in order:
-                    times[case][mode.name].append(await mode.transfer(src, dst))
+                    times[case][mode.name].append(await mode.transfer(ids, dst))
+            for mode in order:
+                t = time.perf_counter()
+                await asyncio.gather(*(mode.transfer(src, dst) for dst in dsts))
+                times[many][mode.name].append(time.perf_counter() - t)
         base, other = (list(modes) * 2)[:2]
         paired = {c: statistics.median(b / a for a, b in zip(
                       t[base], t[other], strict=True)) if len(t) == 2 else None
@@ -163,8 +182,9 @@ async def _measure(kv_cache: Callable[..., Any], shape: Any, reps: int,
         return {"first": first, "paired": paired,
                 "median": {c: {m: statistics.median(v) for m, v in t.items()}
                            for c, t in times.items()},
-                "bytes": {c: shape.layers * len(src) * shape.chunk
-                          for c, (src, _) in cases.items()},
+                "bytes": {**{c: shape.layers * len(ids) * shape.chunk
+                             for c, (ids, _) in cases.items()},
+                          many: IN_FLIGHT * shape.layers * len(src) * shape.chunk},
                 "reps": reps}
     finally:
         for mode in running:

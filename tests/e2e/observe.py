@@ -74,12 +74,12 @@ async def wait_no_blocks_held(node, within: float = 30) -> None:
         await asyncio.sleep(0.2)
 
 
-async def in_rotation(node, role: str, within: float = 30) -> None:
-    """Until every `role` node is in the proxy's rotation."""
+async def in_rotation(node, role: str, within: float = 30, proxy: str | None = None) -> None:
+    """Until every `role` node is in the rotation of the node's proxy (or `proxy`'s)."""
     deadline = time.monotonic() + within
     while True:
         async with aiohttp.ClientSession() as http:
-            async with http.get(node.spec.proxy_url + "/status") as r:
+            async with http.get((proxy or node.spec.proxy_url) + "/status") as r:
                 status = await r.json()
         if all(b["in_rotation"] for b in status[role]):
             return

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -65,9 +66,22 @@ def _piece(event: dict) -> str:
     return choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
 
 
-async def _stream_killing_d(node, url: str, route: str) -> tuple[list[dict], bool]:
-    """A long stream through the proxy at `url`, D killed once 8 events reached the client:
-    its events and whether it ended with [DONE]."""
+@pytest.fixture(scope="module")
+def alone(node, tmp_path_factory) -> Iterator[str]:
+    """A second proxy in front of the node that never splits: every request on D alone
+    (as `auto` places a lone request on an idle node). Its URL."""
+    proxy, url = second_proxy(node, tmp_path_factory.mktemp("alone"), "--split", "never")
+    proxy.start()
+    try:
+        proxy.wait_healthy(60)
+        yield url
+    finally:
+        proxy.stop()
+
+
+async def _stream(url: str, route: str, reached: asyncio.Event) -> tuple[list[dict], bool]:
+    """A long stream through the proxy at `url` (`reached` set once 8 events came): its
+    events and whether it ended with [DONE]."""
     events: list[dict] = []
     done = False
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
@@ -79,23 +93,35 @@ async def _stream_killing_d(node, url: str, route: str) -> tuple[list[dict], boo
                 elif line.startswith(b"data: {"):
                     events.append(json.loads(line[6:]))
                     if len(events) == 8:  # some of D's tokens reached the client
-                        _kill_d(node)
+                        reached.set()
     return events, done
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
-async def test_d_killed_mid_stream_the_stream_goes_on_from_p(node, plain_server, route):
+async def test_d_killed_mid_stream_the_streams_go_on_from_p(node, alone, plain_server, route):
+    """D killed under two streams at once: one led by P's token, one D serves alone
+    (followed by its token ids); both go on from P after the tokens their client has."""
     expected = text_of(await plain_request(plain_server, _path(route), _body(route, False)))
-    before = metric(node.spec.proxy_url, 'pd_proxy_migrations_total{how="continued"}')
-    events, done = await _stream_killing_d(node, node.spec.proxy_url, route)
+    key = 'pd_proxy_migrations_total{how="continued"}'
+    before = metric(node.spec.proxy_url, key), metric(alone, key)
+    reached = [asyncio.Event(), asyncio.Event()]
+    streams = [asyncio.create_task(_stream(url, route, ev))
+               for url, ev in zip((node.spec.proxy_url, alone), reached, strict=True)]
     try:
-        assert done and not [e for e in events if "error" in e]
-        got = "".join(_piece(e) for e in events if e.get("choices"))
-        assert got == expected
-        assert metric(node.spec.proxy_url,
-                      'pd_proxy_migrations_total{how="continued"}') == before + 1
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in reached)), 120)
+        _kill_d(node)
+        for events, done in await asyncio.gather(*streams):
+            assert done and not [e for e in events if "error" in e]
+            assert "".join(_piece(e) for e in events if e.get("choices")) == expected
+            assert not [e for e in events if e.get("prompt_token_ids")
+                        or any(c.get("token_ids") for c in e["choices"])]
+        assert (metric(node.spec.proxy_url, key), metric(alone, key)) == \
+            (before[0] + 1, before[1] + 1)
     finally:
+        for task in streams:
+            task.cancel()
         await _d_again(node)
+        await in_rotation(node, "decode", within=60, proxy=alone)
     await wait_no_blocks_held(node, within=60)
 
 
@@ -113,41 +139,10 @@ async def _events(url: str, route: str, max_tokens: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
-async def test_a_d_alone_stream_is_a_plain_servers_chunk_for_chunk(node, plain_server, route,
-                                                                   tmp_path):
+async def test_a_d_alone_stream_is_a_plain_servers_chunk_for_chunk(alone, plain_server, route):
     """Followed by its token ids (asked of D, taken out), a D-alone stream's chunks are
     the ones a plain server sends a client that did not ask for them."""
-    expected = await _events(plain_server, route, 24)
-    alone, url = second_proxy(node, tmp_path, "--split", "never")
-    alone.start()
-    try:
-        alone.wait_healthy(60)
-        assert await _events(url, route, 24) == expected
-    finally:
-        alone.stop()
-
-
-@pytest.mark.parametrize("route", ["completions", "chat"])
-async def test_d_alone_killed_mid_stream_the_stream_goes_on_from_p(node, plain_server, route,
-                                                                  tmp_path):
-    """A stream D serves alone (as `auto` places a lone request on an idle node; here a
-    proxy that never splits), followed by its token ids: the client's chunks are a plain
-    server's, and after D's kill P continues it."""
-    expected = text_of(await plain_request(plain_server, _path(route), _body(route, False)))
-    alone, url = second_proxy(node, tmp_path, "--split", "never")
-    alone.start()
-    try:
-        alone.wait_healthy(60)
-        events, done = await _stream_killing_d(node, url, route)
-        assert done and not [e for e in events if "error" in e]
-        assert "".join(_piece(e) for e in events if e.get("choices")) == expected
-        assert not [e for e in events if e.get("prompt_token_ids")
-                    or any(c.get("token_ids") for c in e["choices"])]
-        assert metric(url, 'pd_proxy_migrations_total{how="continued"}') == 1
-    finally:
-        alone.stop()
-        await _d_again(node)
-    await wait_no_blocks_held(node, within=60)
+    assert await _events(alone, route, 24) == await _events(plain_server, route, 24)
 
 
 async def test_d_killed_mid_whole_answer_p_answers_it(node, plain_server):
