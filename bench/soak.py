@@ -313,7 +313,10 @@ async def soak(args: argparse.Namespace) -> dict:
                  "proxy RSS at the end KiB": soakfaults.rss_kib(node.proxy),
                  "first proxy's RSS growth, a quarter of its life to its end": growth(rss),
                  "proxy restarted meanwhile": "proxy_restarted" in args.faults}
-        return report(load, records, counts, after, args.minutes)
+        summary = report(load, records, counts, after, args.minutes)
+        summary["proxy RSS samples (s, pid, KiB)"] = [(round(t - begin, 1), pid, kib)
+                                                      for t, pid, kib in rss]
+        return summary
     finally:
         node.stop()
 
