@@ -92,18 +92,19 @@ class Migration:
         log.warning("%s %s: %s; %s %s goes on with it (%s)", rec.route, rec.request_id, why,
                     node.role, node.url, how)
 
-    def whole(self, flight: Flight, failed: Backend, body: dict[str, Any]) -> Resume:
-        """A stream in the client's own format: asked again whole, before any of its events
-        reached the client."""
-        data = _encode(body)
-
+    def whole(self, flight: Flight, failed: Backend, data: bytes) -> Resume:
+        """A stream in the client's own format: asked again whole (`data`, the client's
+        body as sent), before any of its events reached the client."""
         async def resume(relayed: bool, why: str) -> Response | None:
             node = None if relayed else self.to(flight, failed.url)
             if node is None:
                 return None
-            self.moved(flight, node, "whole", why)
-            return await self.send(flight, node, flight.rec.route, data)
+            return await self._again(flight, node, data, why)
         return resume
+
+    async def _again(self, flight: Flight, node: Backend, data: bytes, why: str) -> Response:
+        self.moved(flight, node, "whole", why)
+        return await self.send(flight, node, flight.rec.route, data)
 
     def continued(self, flight: Flight, failed: Backend, body: dict[str, Any],
                   stream: ClientStream, again: bytes | None = None) -> Resume:
@@ -119,9 +120,8 @@ class Migration:
             if node is None:
                 return None
             if again is not None and not relayed and stream.native:
-                self.moved(flight, node, "whole", why)
                 serving = node.url
-                return await self.send(flight, node, route, again)
+                return await self._again(flight, node, again, why)
             if not stream.continuable:
                 return None
             assert stream.prompt_ids is not None

@@ -161,9 +161,10 @@ class Paths:
                 return await self.plain(request, flight, body, d, "prefill_stopped")
             handed_over = True
             self.pulls.waiting(kv, d_resp)
+            whole = _encode(body)  # what D alone, or another engine, is asked
             return await self.relay.relay(request, flight, d, d_resp,
-                                          self._alone(flight, d, rec.route, _encode(body)),
-                                          self.migration.whole(flight, d, body))
+                                          self._alone(flight, d, rec.route, whole),
+                                          self.migration.whole(flight, d, whole))
         finally:  # the calls' connections; the counts are the flight's
             if p_resp is not None:
                 p_resp.close()
@@ -246,9 +247,10 @@ class Paths:
             kv.move(Holder.ASKED, "D asked to answer from it")
             d_resp = await self._send_decode(flight, d, rec.route, d_data)
             self.pulls.waiting(kv, d_resp)
+            whole = _encode(body)  # what D alone, or another engine, is asked
             return await self.relay.relay(request, flight, d, d_resp,
-                                          self._alone(flight, d, rec.route, _encode(body)),
-                                          self.migration.whole(flight, d, body))
+                                          self._alone(flight, d, rec.route, whole),
+                                          self.migration.whole(flight, d, whole))
         stream = clientstream.ClientStream(body, rec.route, answer)
         if answer.stopped:  # P's token is the whole answer; P freed its KV by itself
             kv.move(Holder.NONE, "P's token ended the answer")
@@ -324,15 +326,12 @@ class Paths:
         # A stream is followed by its token ids where it can go on elsewhere exactly (a
         # typed read of each event, about 4 us in the proxy: migration_limit 0 saves it).
         follow = clientstream.follow(body, rec.route) if self.migration.limit else None
-        if follow is None:
-            upstream = await self._send_decode(flight, node, rec.route, _encode(body))
-            return await self.relay.relay(request, flight, node, upstream,
-                                          resume=self.migration.whole(flight, node, body))
-        data = _encode({**body, "return_token_ids": True})
+        data = _encode(body if follow is None else {**body, "return_token_ids": True})
         upstream = await self._send_decode(flight, node, rec.route, data)
-        return await self.relay.relay(
-            request, flight, node, upstream, follow=follow,
-            resume=self.migration.continued(flight, node, body, follow, again=data))
+        resume = (self.migration.whole(flight, node, data) if follow is None
+                  else self.migration.continued(flight, node, body, follow, again=data))
+        return await self.relay.relay(request, flight, node, upstream, resume=resume,
+                                      follow=follow)
 
     async def elsewhere(self, request: web.Request, flight: Flight, body: dict[str, Any],
                         down: NodeDown, decodes: list[Backend],
