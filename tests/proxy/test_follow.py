@@ -183,3 +183,9 @@ async def test_without_migration_a_stream_is_not_followed(make_cluster: MakeClus
     c = await make_cluster(split="never", migration_limit=0)
     evs = await stream(c, COMPLETIONS, body(COMPLETIONS))
     assert text(evs) == "t0 t1 t2 t3 " and "return_token_ids" not in c.decode[0].bodies()[0]
+
+
+def test_a_usage_chunk_passes_as_it_is():
+    s = ClientStream(body(COMPLETIONS), COMPLETIONS)
+    usage = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3}}\n\n'
+    assert s.feed(usage) == usage and s.continuable is False  # nothing known yet

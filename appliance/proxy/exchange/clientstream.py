@@ -195,8 +195,10 @@ class ClientStream:
             chunk = _read_chunk(event[6:])
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        if chunk.error is not None or len(chunk.choices) != 1:
+        if chunk.error is not None or len(chunk.choices) > 1:
             return None
+        if not chunk.choices:  # usage alone: nothing to keep or take out
+            return event if chunk.prompt_token_ids is None else None
         c = chunk.choices[0]
         prompt = chunk.prompt_token_ids if self.chat else c.prompt_token_ids
         out = _null_ids(event, c.token_ids is not None, prompt is not None)
@@ -209,9 +211,9 @@ class ClientStream:
         delta = c.delta
         text = (delta.content if delta is not None else None) if self.chat else c.text
         self._keep(c.token_ids, text)
-        if (self.chat and c.token_ids and (delta is None or delta.empty)
-                and c.finish_reason is None and c.logprobs is None):
-            return b""  # only its ids: a plain server sends no chunk for such a token
+        if self.chat and _ids_only(c.token_ids, delta is None or delta.empty,
+                                   c.finish_reason, c.logprobs):
+            return b""
         return out
 
     def _own(self, obj: dict[str, Any]) -> bytes:
@@ -238,9 +240,8 @@ class ClientStream:
                 self.exact = False
             ids = c.get("token_ids")
             self._take(c, delta.get("content"))
-            if (ids and not delta and c.get("finish_reason") is None
-                    and c.get("logprobs") is None):
-                continue  # only its ids: a plain server sends no chunk for such a token
+            if _ids_only(ids, not delta, c.get("finish_reason"), c.get("logprobs")):
+                continue
             kept.append(c)
         if choices and not kept:
             return b""
@@ -272,6 +273,12 @@ class ClientStream:
         if isinstance(text, str) and text and not text.endswith("\ufffd"):
             self._shown += self._unshown
             self._unshown = []
+
+
+def _ids_only(ids: Any, no_delta: bool, finish: Any, logprobs: Any) -> bool:
+    """A chat chunk that carries only a token's ids (a token that reads as nothing, sent
+    because ids were asked for): a plain server sends no chunk for it."""
+    return bool(ids) and no_delta and finish is None and logprobs is None
 
 
 def _null_ids(raw: bytes, ids: bool, prompt: bool) -> bytes | None:
