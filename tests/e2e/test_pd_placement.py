@@ -64,6 +64,22 @@ def _split_status(proxy: str) -> dict:
         return json.load(r)["split"]
 
 
+def _wait_quiet(proxy: str, within_s: float = 30.0) -> None:
+    """Until the proxy reads no one else's requests on any engine: the gauges it reads each
+    second (appliance.proxy.nodes.engineload) still count the other proxies' last requests
+    for up to two readings after they end, and an engine busy with someone else's request
+    is rightly not an idle one."""
+    deadline = time.monotonic() + within_s
+    while True:
+        with urllib.request.urlopen(proxy + "/status", timeout=10) as r:
+            status = json.load(r)
+        others = [b["others"] for role in ("prefill", "decode") for b in status[role]]
+        if all(o == {"waiting": 0, "running": 0} for o in others):
+            return
+        assert time.monotonic() < deadline, f"others' requests still read: {others}"
+        time.sleep(0.2)
+
+
 def _wait_seeded(proxy: str, within_s: float = 60.0) -> None:
     """Until the proxy's prefill line has a sample (appliance.proxy.placement.seeding)."""
     deadline = time.monotonic() + within_s
@@ -88,6 +104,7 @@ async def test_every_placement_answers_as_a_plain_server(pd_node, plain_server, 
     # or a few short prompts if P has served none), so an idle D is sooner alone from the
     # first request on: nothing is placed `unmeasured`.
     auto = proxies["auto"]
+    _wait_quiet(auto)  # the requests just sent through the other two proxies are over
     assert await _answers(auto) == expected
     assert metric(auto, f'{DECISIONS}{{reason="unmeasured"}}') == 0
     assert metric(auto, f'{DECISIONS}{{decision="local",reason="sooner"}}') == 4
