@@ -227,30 +227,52 @@ def report(load: Load, faults: list[soakfaults.Record], counts: dict[str, float]
     return summary
 
 
-async def _sample_rss(node: LocalNode, out: list[tuple[float, int, int]],
-                      stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        proc = node.proxy.proc if node.proxy is not None else None
-        try:
-            if proc is not None and proc.poll() is None:
-                out.append((time.monotonic(), proc.pid, soakfaults.rss_kib(node.proxy)))
-        except (OSError, StopIteration):
-            pass  # between its stop and its start
-        try:
-            await asyncio.wait_for(stop.wait(), 5.0)
-        except asyncio.TimeoutError:
-            pass
+async def _index_blocks(http: aiohttp.ClientSession, url: str) -> int | None:
+    """The blocks the proxy's prefix index holds, all engines together (None: unread)."""
+    try:
+        async with http.get(url + "/status") as r:
+            prefix = (await r.json()).get("prefix") or {}
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    return sum(rank["blocks"] for ranks in (prefix.get("nodes") or {}).values()
+               for rank in ranks.values())
 
 
-def growth(samples: list[tuple[float, int, int]]) -> str:
+Sample = tuple[float, int, int, "int | None"]  # (time, proxy pid, RSS KiB, index blocks)
+
+
+async def _sample_rss(node: LocalNode, out: list[Sample], stop: asyncio.Event) -> None:
+    """Every 5 s, the proxy's RSS and its prefix index's size: the index mirrors what the
+    engines cache, so it grows until their caches are full, then stays (bounded by them)."""
+    url = node.spec.proxy_url or ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while not stop.is_set():
+            proc = node.proxy.proc if node.proxy is not None else None
+            try:
+                if proc is not None and proc.poll() is None:
+                    kib = soakfaults.rss_kib(node.proxy)
+                    out.append((time.monotonic(), proc.pid, kib,
+                                await _index_blocks(http, url)))
+            except (OSError, StopIteration):
+                pass  # between its stop and its start
+            try:
+                await asyncio.wait_for(stop.wait(), 5.0)
+            except asyncio.TimeoutError:
+                pass
+
+
+def growth(samples: list[Sample]) -> str:
     """The first proxy's RSS at its end over its RSS a quarter into its life (past its
-    warm-up: caches, the prefix index, histograms filled), as a percentage."""
+    warm-up: caches, histograms filled), as a percentage, with its prefix index's blocks at
+    both times (the index grows with what the engines cache, up to their capacity)."""
     if not samples:
         return "-"
-    first = [(t, kib) for t, pid, kib in samples if pid == samples[0][1]]
+    first = [(t, kib, blocks) for t, pid, kib, blocks in samples if pid == samples[0][1]]
     t0, t1 = first[0][0], first[-1][0]
-    quarter = next(kib for t, kib in first if t >= t0 + (t1 - t0) / 4)
-    return f"{quarter} -> {first[-1][1]} KiB ({first[-1][1] / quarter - 1:+.1%})"
+    _, quarter, q_blocks = next(x for x in first if x[0] >= t0 + (t1 - t0) / 4)
+    _, end, e_blocks = first[-1]
+    return (f"{quarter} -> {end} KiB ({end / quarter - 1:+.1%}); "
+            f"index {q_blocks} -> {e_blocks} blocks")
 
 
 async def soak(args: argparse.Namespace) -> dict:
@@ -275,10 +297,10 @@ async def soak(args: argparse.Namespace) -> dict:
         await asyncio.to_thread(scrape.poll)
         baseline = dict(scrape.totals)
         scraping = asyncio.create_task(scrape.every(2.0, stop))
-        rss: list[tuple[float, int, int]] = []  # (time, proxy pid, KiB) every 5 s
+        rss: list[Sample] = []
         sampling = asyncio.create_task(_sample_rss(node, rss, stop))
         running = asyncio.create_task(load.run(args.concurrency, stop))
-        schedule = soakfaults.schedule(args.faults.split(","))
+        schedule = soakfaults.schedule([f for f in args.faults.split(",") if f])
         gap = args.minutes * 60 / (len(schedule) + 1)
         records = []
 
@@ -314,8 +336,8 @@ async def soak(args: argparse.Namespace) -> dict:
                  "first proxy's RSS growth, a quarter of its life to its end": growth(rss),
                  "proxy restarted meanwhile": "proxy_restarted" in args.faults}
         summary = report(load, records, counts, after, args.minutes)
-        summary["proxy RSS samples (s, pid, KiB)"] = [(round(t - begin, 1), pid, kib)
-                                                      for t, pid, kib in rss]
+        summary["proxy RSS samples (s, pid, KiB, index blocks)"] = [
+            (round(t - begin, 1), pid, kib, blocks) for t, pid, kib, blocks in rss]
         return summary
     finally:
         node.stop()
@@ -334,7 +356,7 @@ def main() -> None:
     parser.add_argument("--faults", default=",".join(soakfaults.FAULTS))
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/pd-bench-soak"))
     args = parser.parse_args()
-    unknown = set(args.faults.split(",")) - set(soakfaults.FAULTS)
+    unknown = {f for f in args.faults.split(",") if f} - set(soakfaults.FAULTS)
     if unknown:
         parser.error(f"unknown faults {sorted(unknown)}; known: {', '.join(soakfaults.FAULTS)}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -63,7 +63,8 @@ def test_a_short_soak_loses_nothing(tmp_path) -> None:
 
 
 def test_memory_growth_is_read_past_warm_up_and_before_a_restart() -> None:
-    samples = [(0.0, 1, 60_000), (10.0, 1, 70_000), (20.0, 1, 70_500), (30.0, 1, 71_400),
-               (40.0, 1, 71_400), (45.0, 2, 50_000)]  # pid 2: the proxy started again
-    assert soak.growth(samples) == "70000 -> 71400 KiB (+2.0%)"
+    samples = [(0.0, 1, 60_000, 0), (10.0, 1, 70_000, 900), (20.0, 1, 70_500, 1000),
+               (30.0, 1, 71_400, 1000), (40.0, 1, 71_400, 1000),
+               (45.0, 2, 50_000, None)]  # pid 2: the proxy started again
+    assert soak.growth(samples) == "70000 -> 71400 KiB (+2.0%); index 900 -> 1000 blocks"
     assert soak.growth([]) == "-"
