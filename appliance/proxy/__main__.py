@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import resource
 import sys
@@ -11,6 +10,7 @@ from collections.abc import Sequence
 from aiohttp import web
 from pydantic import ValidationError
 
+from appliance.proxy import heap
 from appliance.proxy.server import build_app
 from appliance.proxy.settings import load_settings
 
@@ -25,23 +25,6 @@ def _raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         except (ValueError, OSError):
             pass  # keep the soft limit; the proxy still runs, with fewer clients at once
-
-
-# Allocations of container objects between young-generation collections (Python's default:
-# 700, every few requests: each makes hundreds, aiohttp's among them). Measured under
-# bench/proxy_overhead.py's load at concurrency 64: collections took 7% of the proxy's CPU
-# as it was, 5% with start-up frozen, 3% with this too (each young one about 1 ms; 20,000
-# saved no more and paused for 3.5 ms).
-GC_YOUNG = 5_000
-
-
-async def _settle_heap(_app: web.Application) -> None:
-    """After start-up (modules, settings, the tokenizer: alive as long as the process):
-    freeze what it built, so that no collection walks it again, and collect young objects
-    less often."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -76,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # handler_cancellation: a client that hangs up cancels its handler, which closes both
     # upstream connections, so vLLM aborts the requests.
     app = build_app(settings)
-    app.on_startup.append(_settle_heap)  # after the proxy's own start (the tokenizer)
+    app.on_startup.append(heap.settled)  # after the proxy's own start (the tokenizer)
+    app.cleanup_ctx.append(heap.trimmed())
     web.run_app(app, host=settings.host, port=settings.port, print=None,
                 access_log=None, handler_cancellation=True, ssl_context=tls,
                 # on_shutdown waits drain_grace_s itself (appliance.proxy.admin); past it
