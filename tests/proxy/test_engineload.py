@@ -87,9 +87,11 @@ def test_another_proxys_decodes_on_d_count_as_running() -> None:
 
 @pytest.fixture
 async def engine() -> tuple[str, dict]:
-    state = {"text": METRICS, "status": 200}
+    state = {"text": METRICS, "status": 200, "during": None}
 
     async def metrics(_req: web.Request) -> web.Response:
+        if state["during"] is not None:  # what happens in the proxy while this is rendered
+            state["during"]()
         return web.Response(text=state["text"], status=state["status"])
 
     app = web.Application()
@@ -103,7 +105,7 @@ async def engine() -> tuple[str, dict]:
     await runner.cleanup()
 
 
-async def test_the_poller_takes_the_smaller_of_two_readings(engine) -> None:
+async def test_each_reading_stands_alone_less_what_was_ours_during_it(engine) -> None:
     url, state = engine
     backends = Backends(ProxySettings(prefill=[], decode=[{"url": url}]), ProxyMetrics())
     d = backends.decode[0]
@@ -112,11 +114,16 @@ async def test_the_poller_takes_the_smaller_of_two_readings(engine) -> None:
         poller = LoadPoller(backends, http, {}, 1.0, 2.0)
         await poller.poll_once()
         assert (d.others_waiting, d.others_running) == (4, 2)
-        # Ours ended (in_flight 0) but the engine still counts them until its next step:
-        # the reading before bounds it.
-        d.in_flight = 0
+        # Another proxy's load rises: seen at the very next reading.
+        state["text"] = METRICS.replace("} 3.0", "} 6.0")
         await poller.poll_once()
-        assert (d.others_waiting, d.others_running) == (4, 2)
+        assert (d.others_waiting, d.others_running) == (4, 5)
+        # Three of ours end while the engine renders its gauges (counted there): the count
+        # as the read began is ours, not another proxy's.
+        state["during"] = lambda: setattr(d, "in_flight", 0)
+        await poller.poll_once()
+        assert d.in_flight == 0 and (d.others_waiting, d.others_running) == (4, 5)
+        state["during"] = None
         state["text"] = METRICS.replace("} 3.0", "} 0.0").replace("} 2.0", "} 0.0")
         await poller.poll_once()
         assert (d.others_waiting, d.others_running) == (4, 0)

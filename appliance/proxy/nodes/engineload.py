@@ -6,9 +6,12 @@ The proxy knows its own requests exactly (Backend.in_flight, its placement ticke
 engine knows all of them. What the engine holds beyond the proxy's in-flight count is
 someone else's: its waiting part counts as prefills queued there, its running part as
 decodes there (appliance.proxy.placement.decision). The gauges are read every
-`engine_load_interval_s`; each reading is taken as the smaller of it and the one before, so
-a request the proxy has just seen end, and the engine counts until its next step, is not
-taken for another proxy's.
+`engine_load_interval_s`, and each reading stands alone: another proxy's rising load shows
+at the next reading. The engine renders its gauges at some moment during the read, so this
+proxy's own count is the larger of its counts when the read began and when it ended: one of
+its requests that ended (or began) meanwhile is not taken for another proxy's. (Taking the
+smaller of two readings instead, as this once did, saw each rise a reading late: two
+proxies then placed half as many requests on P alone as one did, bench/goodput.py.)
 """
 
 from __future__ import annotations
@@ -87,7 +90,6 @@ class LoadPoller(Background):
         self.headers = headers
         self.interval = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._last: dict[str, tuple[int, int]] = {}  # per node URL: the reading before
         Background.__init__(self)
 
     async def _run(self) -> None:
@@ -98,11 +100,10 @@ class LoadPoller(Background):
 
     async def poll_once(self) -> None:
         nodes = [b for b in self.backends.all() if b.healthy]
-        for url in set(self._last) - {b.url for b in nodes}:
-            del self._last[url]
         await asyncio.gather(*(self._read(b) for b in nodes))
 
     async def _read(self, b: Backend) -> None:
+        own_before = b.in_flight
         try:
             async with self.session.get(f"{b.url}/metrics", headers=self.headers,
                                         timeout=self.timeout) as r:
@@ -112,10 +113,6 @@ class LoadPoller(Background):
             text = ""
         counts = engine_counts(text)
         if counts is None:  # nothing known: count nothing, as before the first reading
-            self._last.pop(b.url, None)
             b.others_waiting = b.others_running = 0
             return
-        now = others(*counts, b.in_flight)
-        before = self._last.get(b.url, now)
-        self._last[b.url] = now
-        b.others_waiting, b.others_running = min(now[0], before[0]), min(now[1], before[1])
+        b.others_waiting, b.others_running = others(*counts, max(own_before, b.in_flight))
