@@ -9,9 +9,10 @@ decodes there (appliance.proxy.placement.decision). The gauges are read every
 `engine_load_interval_s`, and each reading stands alone: another proxy's rising load shows
 at the next reading. The engine renders its gauges at some moment during the read, so this
 proxy's own count is the larger of its counts when the read began and when it ended: one of
-its requests that ended (or began) meanwhile is not taken for another proxy's. (Taking the
-smaller of two readings instead, as this once did, saw each rise a reading late: two
-proxies then placed half as many requests on P alone as one did, bench/goodput.py.)
+its requests that ended (or began) meanwhile is not taken for another proxy's. (This once
+took the smaller of two readings, which saw each rise a reading late; measured on
+bench/goodput.py's two-proxy setup, either way placed 17% of requests on P alone where one
+proxy placed a third: the gauges' lag is not what keeps the two apart.)
 """
 
 from __future__ import annotations
