@@ -5,7 +5,7 @@ appliance (P on CPU 0, D on CPU 1, its own proxy) placing by `split=always` and 
 
     .venv/bin/python bench/goodput.py [--workloads short,mid,long,prefix,chat]
         [--seeds 1] [--prompts 12] [--points 3] [--rate-scale 1] [--two-proxies]
-        [--splits always,auto] [--log-dir DIR]
+        [--splits always,auto] [--access-log] [--log-dir DIR]
 
 Workloads (the larger-KV model, its own tokenizer; `vllm bench serve`'s datasets, open
 loop, `--ignore-eos`):
@@ -83,12 +83,13 @@ SETUPS = ("plain", "always", "auto")
 TWO_PROXIES = "auto-2p"  # auto, two proxies in front of one P and D, each half the load
 
 
-def two_proxies(model: Path, log_dir: Path) -> tuple[Setup, list[str]]:
+def two_proxies(model: Path, log_dir: Path, access_log: bool = False
+                ) -> tuple[Setup, list[str]]:
     """`auto` with a second proxy beside the first (same P and D, same settings), and a
     front that deals requests out to them in turn (bench/splitter.py, as a load balancer
     would): the setup, whose URL is the front's, and both proxies' URLs. The same load as
     the other setups' meets it: the same requests at the same times."""
-    setup = appliance_setup(model, log_dir, "auto", TWO_PROXIES)
+    setup = appliance_setup(model, log_dir, "auto", TWO_PROXIES, access_log)
     first = setup.services[-1]
     port = free_port()
     argv = list(first.argv)
@@ -146,14 +147,15 @@ class Sweep:
 
 
 def sweep(work: Workload, seed: int, prompts: int, points: int, log_dir: Path,
-          with_two: bool = False, scale: float = 1.0, splits: tuple[str, ...] = SETUPS[1:]
-          ) -> Sweep:
+          with_two: bool = False, scale: float = 1.0, splits: tuple[str, ...] = SETUPS[1:],
+          access_log: bool = False) -> Sweep:
     model = tinymodel.build(ROOT / ".cache" / "models" / MODEL, MODEL)
     setups: list[Setup] = [plain_setup(model, log_dir),
-                           *(appliance_setup(model, log_dir, split, split) for split in splits)]
+                           *(appliance_setup(model, log_dir, split, split, access_log)
+                             for split in splits)]
     proxies: list[str] = []
     if with_two:
-        two, proxies = two_proxies(model, log_dir)
+        two, proxies = two_proxies(model, log_dir, access_log)
         setups.append(two)
     url = {s.name: s.proxy_url or s.plain_url or "" for s in setups}
     rates = slo.geometric_rates(work.rates[0], work.rates[1] * scale, points)
@@ -273,6 +275,9 @@ def main() -> None:
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="multiplies each workload's highest arrival rate (the SLOs "
                              "come from its lowest, which stays)")
+    parser.add_argument("--access-log", action="store_true",
+                        help="the proxies' access lines in their logs (each decision with "
+                             "what it weighed), to compare one proxy's decisions with two's")
     parser.add_argument("--render", action="store_true",
                         help="print the tables of the runs kept under --log-dir; run nothing")
     args = parser.parse_args()
@@ -287,7 +292,8 @@ def main() -> None:
         for seed in (int(x) for x in args.seeds.split(",")):
             sm = summary(sweep(WORKLOADS[name], seed, args.prompts, args.points, args.log_dir,
                                args.two_proxies, args.rate_scale,
-                               tuple(x for x in args.splits.split(",") if x)))
+                               tuple(x for x in args.splits.split(",") if x),
+                               args.access_log))
             (args.log_dir / f"summary-{name}-{seed}.json").write_text(json.dumps(sm, indent=1))
             summaries.append(sm)
             print_table(sm)  # as each ends: a long run shows what it has so far
