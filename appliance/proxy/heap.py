@@ -3,8 +3,8 @@ back to the system while it runs.
 
 Python objects do not grow with the proxy's age (tracemalloc over a soak of the local node:
 flat), yet its RSS crept up by 4-6% in 8-15 minutes of mixed load: pages that glibc's
-malloc keeps after they are freed (the tokenizer's, the HTTP parser's and ZMQ's buffers,
-spread over the heap, where free() gives nothing back unless the heap's top is free).
+malloc keeps after they are freed (native buffers outside Python's heap, spread over the
+C heap, where free() gives nothing back unless the heap's top is free).
 `malloc_trim(0)` every TRIM_INTERVAL_S returns them: over the same soak, RSS after each
 trim stayed within 1% from the first minute to the fifth, at about 0.2 ms a call (3.6 ms
 the first time). A host whose C library has no malloc_trim (musl) skips it.

@@ -66,9 +66,9 @@ def _split_status(proxy: str) -> dict:
 
 def _wait_quiet(proxy: str, within_s: float = 30.0) -> None:
     """Until the proxy reads no one else's requests on any engine: the gauges it reads each
-    second (appliance.proxy.nodes.engineload) still count the other proxies' last requests
-    for up to two readings after they end, and an engine busy with someone else's request
-    is rightly not an idle one."""
+    second (appliance.proxy.nodes.engineload) count the other proxies' last requests until
+    its first reading after they end, and an engine busy with someone else's request is
+    rightly not an idle one."""
     deadline = time.monotonic() + within_s
     while True:
         with urllib.request.urlopen(proxy + "/status", timeout=10) as r:
